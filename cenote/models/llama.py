@@ -1,0 +1,276 @@
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) over a flat, unpadded token stream.
+
+One trunk, ``LlamaModel``, with the variants' differences in ``DecoderOptions``; two heads: a
+language-model head (``*ForCausalLM``) and a sequence-classification head
+(``*ForSequenceClassification``). Checkpoint names are Hugging Face's; q/k/v and gate/up are
+loaded as shards of fused projections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cenote.config import ModelConfig
+from cenote.models.layers.activation import get_activation
+from cenote.models.layers.attention import Attention
+from cenote.models.layers.norm import RMSNorm
+from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """What tells the Llama-family variants apart."""
+
+    qkv_bias: bool  # biases on the q/k/v projections (Qwen2; Llama's attention_bias)
+    o_bias: bool  # bias on the attention output projection
+    mlp_bias: bool  # biases on gate/up/down
+    qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
+
+    @classmethod
+    def for_variant(cls, variant: str, config: dict[str, Any]) -> DecoderOptions:
+        attention_bias = bool(config.get("attention_bias", False))
+        if variant == "qwen2":
+            return cls(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+        if variant == "qwen3":
+            return cls(attention_bias, attention_bias, mlp_bias=False, qk_norm=True)
+        return cls(attention_bias, attention_bias, bool(config.get("mlp_bias", False)), False)
+
+
+def check_full_attention(config: dict[str, Any], max_model_len: int) -> None:
+    """Sliding-window attention is not implemented: refuse configs where the window would bite."""
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types") or []
+    used = config.get("use_sliding_window", True) or "sliding_attention" in layer_types
+    if window is not None and used and int(window) < max_model_len:
+        raise ValueError(
+            f"the model uses sliding-window attention (window {window}) but max_model_len is "
+            f"{max_model_len}; pass max_model_len <= {window} to run it with full attention"
+        )
+
+
+class LlamaAttention(nn.Module):
+    """Fused qkv projection, optional per-head q/k norm, RoPE, paged attention, output proj."""
+
+    def __init__(self, config: dict[str, Any], options: DecoderOptions, layer_idx: int) -> None:
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = config.get("head_dim") or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=options.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=options.o_bias)
+        self.q_norm = self.k_norm = None
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.get("rms_norm_eps", 1e-6))
+            self.k_norm = RMSNorm(self.head_dim, config.get("rms_norm_eps", 1e-6))
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.num_kv_heads, layer_idx, self.head_dim**-0.5
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).flatten(1)
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).flatten(1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v.contiguous()))  # [num_tokens, hidden]
+
+
+class LlamaMLP(nn.Module):
+    """Gated MLP with a fused gate/up projection: ``down(act(gate) * up)``."""
+
+    def __init__(self, config: dict[str, Any], options: DecoderOptions) -> None:
+        super().__init__()
+        hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=options.mlp_bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=options.mlp_bias)
+        self.act = get_activation(config.get("hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: dict[str, Any], options: DecoderOptions, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.self_attn = LlamaAttention(config, options, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.mlp = LlamaMLP(config, options)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder trunk: ``forward(input_ids, positions) -> hidden [num_tokens, hidden]``."""
+
+    def __init__(self, config: dict[str, Any], options: DecoderOptions) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, options, i) for i in range(config["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+        self.rotary = RotaryEmbedding(self.layers[0].self_attn.head_dim, config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions)  # [num_tokens, head_dim] each, fp32
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+# checkpoint module -> (our fused module, shard)
+_SHARDS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
+
+class LlamaDecoder(nn.Module):
+    """Trunk + weight loading shared by the causal-LM and classification models.
+
+    ``forward(input_ids [T], positions [T], token_type_ids=None) -> hidden [T, hidden]`` (final
+    norm applied). ``num_layers``, ``num_kv_heads`` and ``head_dim`` size the KV cache.
+    """
+
+    is_causal = True
+    variant: ClassVar[str] = "llama"
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        config = model_config.hf_config
+        check_full_attention(config, model_config.max_model_len)
+        self.config = config
+        self.model = LlamaModel(config, DecoderOptions.for_variant(self.variant, config))
+        attention = self.model.layers[0].self_attn
+        self.hidden_size = config["hidden_size"]
+        self.num_layers = len(self.model.layers)
+        self.num_kv_heads = attention.num_kv_heads
+        self.head_dim = attention.head_dim
+        q, kv, intermediate = attention.q_size, attention.kv_size, config["intermediate_size"]
+        self._shard_rows = {
+            "q": (0, q),
+            "k": (q, q + kv),
+            "v": (q + kv, q + 2 * kv),
+            "gate": (0, intermediate),
+            "up": (intermediate, 2 * intermediate),
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens], 0-based within each request
+        token_type_ids: torch.Tensor | None = None,  # unused: decoders have no token types
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions)  # [num_tokens, hidden]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the module; returns the names of our parameters loaded.
+
+        Fused shards are reported as ``"<param>[<shard>]"``. Raises on a checkpoint tensor this
+        model has no place for (other than RoPE buffers and an unused ``lm_head``).
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and name not in params:
+                continue  # tied embeddings, or a classifier converted from a causal LM
+            our_name, shard = self._map_name(name)
+            if our_name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
+            target = params[our_name]
+            if shard is not None:
+                start, end = self._shard_rows[shard]
+                target = target[start:end]
+            with torch.no_grad():
+                target.copy_(tensor)
+            loaded.add(our_name if shard is None else f"{our_name}[{shard}]")
+        return loaded
+
+    @staticmethod
+    def _map_name(name: str) -> tuple[str, str | None]:
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _SHARDS:
+            fused, shard = _SHARDS[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard
+        return name, None
+
+    def required_parameters(self) -> set[str]:
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            module = name.split(".")[-2]
+            if module in _FUSED:
+                names.update(f"{name}[{shard}]" for shard in _FUSED[module])
+            else:
+                names.add(name)
+        return names
+
+
+class LlamaForCausalLM(LlamaDecoder):
+    """Llama / Mistral with a language-model head (tied to the embeddings when configured)."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        self.tie_word_embeddings = bool(self.config.get("tie_word_embeddings", False))
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.hidden_size, self.config["vocab_size"], bias=False)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden]`` -> fp32 logits ``[N, vocab]`` (matmul in the model dtype)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    variant = "qwen2"
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    variant = "qwen3"
+
+
+class LlamaForSequenceClassification(LlamaDecoder):
+    """The trunk with a bias-free ``score`` head; the pooler picks each request's last token."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        labels = self.config.get("id2label")
+        self.num_labels = len(labels) if labels else int(self.config.get("num_labels", 2))
+        self.score = nn.Linear(self.hidden_size, self.num_labels, bias=False)
+
+    def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden]`` -> fp32 scores ``[N, num_labels]`` (matmul in the model dtype)."""
+        return self.score(hidden).float()
+
+
+class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
+    variant = "qwen2"
+
+
+class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
+    variant = "qwen3"

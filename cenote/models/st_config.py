@@ -1,0 +1,109 @@
+"""sentence-transformers metadata of a model folder, read as data (nothing is executed)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+PoolingMethodName = Literal["cls", "mean", "last", "all", "step"]
+
+_SUPPORTED_POOLING_MODES: dict[str, PoolingMethodName] = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "last",
+}
+_ACTIVATIONS = {
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.modules.linear.Identity": None,
+}
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """One sentence-transformers Dense module: ``activation(x @ W.T + b)``."""
+
+    path: Path  # folder with the weights (model.safetensors or pytorch_model.bin)
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str | None  # "tanh" or None (identity)
+
+
+@dataclass(frozen=True)
+class SentenceTransformerConfig:
+    """What sentence-transformers would do around the transformer trunk."""
+
+    pooling: PoolingMethodName | None = None  # from 1_Pooling/config.json
+    normalize: bool = False  # a Normalize module is present
+    dense_layers: tuple[DenseLayer, ...] = ()  # Dense projectors, in order
+    max_seq_length: int | None = None  # sentence_bert_config.json
+    do_lower_case: bool = False  # sentence_bert_config.json
+    prompts: dict[str, str] = field(default_factory=dict)  # config_sentence_transformers.json
+    default_prompt_name: str | None = None
+    similarity_fn_name: str | None = None
+
+
+def _read_json(path: Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _pooling_method(config: dict, where: Path) -> PoolingMethodName:
+    enabled = [k for k, v in config.items() if k.startswith("pooling_mode_") and v]
+    if len(enabled) != 1 or enabled[0] not in _SUPPORTED_POOLING_MODES:
+        raise ValueError(
+            f"{where}: unsupported sentence-transformers pooling {enabled or 'none'}; "
+            f"cenote supports exactly one of {sorted(_SUPPORTED_POOLING_MODES)}"
+        )
+    return _SUPPORTED_POOLING_MODES[enabled[0]]
+
+
+def _dense_layer(folder: Path) -> DenseLayer:
+    config = _read_json(folder / "config.json")
+    name = config.get("activation_function", "torch.nn.modules.linear.Identity")
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"{folder}: unsupported Dense activation {name!r}")
+    return DenseLayer(
+        path=folder,
+        in_features=int(config["in_features"]),
+        out_features=int(config["out_features"]),
+        bias=bool(config.get("bias", True)),
+        activation=_ACTIVATIONS[name],
+    )
+
+
+def load_st_config(model_dir: Path) -> SentenceTransformerConfig | None:
+    """Parse modules.json and friends; None when the folder is not a sentence-transformers model."""
+    modules_path = model_dir / "modules.json"
+    if not modules_path.exists():
+        return None
+    pooling, normalize, dense = None, False, []
+    for module in _read_json(modules_path):
+        kind = module["type"].rsplit(".", 1)[-1]
+        folder = model_dir / module.get("path", "")
+        if kind == "Pooling":
+            pooling = _pooling_method(_read_json(folder / "config.json"), folder)
+        elif kind == "Normalize":
+            normalize = True
+        elif kind == "Dense":
+            dense.append(_dense_layer(folder))
+        elif kind != "Transformer":
+            raise ValueError(f"{modules_path}: unsupported sentence-transformers module {kind!r}")
+    bert_config = {}
+    if (model_dir / "sentence_bert_config.json").exists():
+        bert_config = _read_json(model_dir / "sentence_bert_config.json")
+    st_config = {}
+    if (model_dir / "config_sentence_transformers.json").exists():
+        st_config = _read_json(model_dir / "config_sentence_transformers.json")
+    return SentenceTransformerConfig(
+        pooling=pooling,
+        normalize=normalize,
+        dense_layers=tuple(dense),
+        max_seq_length=bert_config.get("max_seq_length"),
+        do_lower_case=bool(bert_config.get("do_lower_case", False)),
+        prompts=dict(st_config.get("prompts") or {}),
+        default_prompt_name=st_config.get("default_prompt_name"),
+        similarity_fn_name=st_config.get("similarity_fn_name"),
+    )

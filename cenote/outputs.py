@@ -1,0 +1,109 @@
+"""What users get back: vLLM-shaped request outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled tensor of one request."""
+
+    data: torch.Tensor  # [hidden] for sequence tasks, [num_tokens, hidden] for token tasks
+
+
+@dataclass
+class EmbeddingOutput(PoolingOutput):
+    """An embedding; ``embedding`` is the list form of ``data``."""
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.data.shape[-1])
+
+
+@dataclass
+class ClassificationOutput(PoolingOutput):
+    """Class probabilities (or raw scores when the activation is off)."""
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.data.shape[-1])
+
+
+@dataclass
+class ScoringOutput:
+    """One similarity or relevance score."""
+
+    score: float
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[T]):
+    """The result of one pooling request, in the order the prompts were given."""
+
+    request_id: str
+    outputs: T  # PoolingOutput or a task-specific subclass
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+EmbeddingRequestOutput = PoolingRequestOutput
+ClassificationRequestOutput = PoolingRequestOutput
+ScoringRequestOutput = PoolingRequestOutput
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # one dict per generated token
+PromptLogprobs = list[dict[int, Logprob] | None]  # None for the first prompt token
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a generation request."""
+
+    index: int  # which of the n completions
+    text: str  # generated text (stop strings trimmed)
+    token_ids: list[int]  # generated token ids
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or token that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The result (or a streamed snapshot) of one generation request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,35 @@
+"""What the pooler needs to know about the requests it pools in one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cenote.pooling_params import PoolingParams
+
+
+@dataclass
+class PoolingMetadata:
+    """Pooled requests, in the order of their rows in the hidden states handed to the pooler.
+
+    Each request's rows are its whole prompt: ``hidden_states[start_loc[i]:start_loc[i + 1]]``.
+    """
+
+    start_loc: list[int]  # [num_requests + 1] cumulative prompt lengths
+    pooling_params: list[PoolingParams]  # [num_requests], task always set
+    prompt_token_ids: list[list[int]]  # [num_requests] the prompts (STEP pooling reads them)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.pooling_params)
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        loc = self.start_loc
+        return [loc[i + 1] - loc[i] for i in range(len(loc) - 1)]
+
+    def segment_ids(self) -> torch.Tensor:
+        """[num_tokens] index of the request each row belongs to."""
+        lens = torch.tensor(self.prompt_lens)
+        return torch.repeat_interleave(torch.arange(len(lens)), lens)

@@ -1,0 +1,52 @@
+"""Pooling methods: how the hidden states of one prompt become one vector (or one per token)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from cenote.pooling.metadata import PoolingMetadata
+
+PoolingMethod = Literal["cls", "mean", "last", "all", "step"]
+
+
+def pool_cls(hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
+    starts = torch.tensor(metadata.start_loc[:-1])
+    return hidden[starts].float()  # [num_requests, hidden]
+
+
+def pool_last(hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
+    ends = torch.tensor(metadata.start_loc[1:]) - 1
+    return hidden[ends].float()  # [num_requests, hidden]
+
+
+def pool_mean(hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
+    """Mean over each prompt's tokens, accumulated in fp32 whatever the model dtype."""
+    sums = torch.zeros(metadata.num_requests, hidden.shape[-1], dtype=torch.float32)
+    sums.index_add_(0, metadata.segment_ids(), hidden.float())
+    lens = torch.tensor(metadata.prompt_lens, dtype=torch.float32).unsqueeze(1)
+    return sums / lens  # [num_requests, hidden]
+
+
+def pool_all(hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
+    return list(hidden.float().split(metadata.prompt_lens))  # [prompt_len, hidden] each
+
+
+def pool_step(hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
+    """Process reward: the rows whose token is the request's ``step_tag_id`` (all rows if unset)."""
+    out = []
+    for rows, params, token_ids in zip(
+        hidden.float().split(metadata.prompt_lens),
+        metadata.pooling_params,
+        metadata.prompt_token_ids,
+        strict=True,
+    ):
+        if params.step_tag_id is not None:
+            rows = rows[torch.tensor(token_ids) == params.step_tag_id]
+        out.append(rows)
+    return out
+
+
+SEQUENCE_METHODS = {"cls": pool_cls, "mean": pool_mean, "last": pool_last}
+TOKEN_METHODS = {"all": pool_all, "step": pool_step}

@@ -1,0 +1,40 @@
+"""Per-request pooling options, vLLM-compatible."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from cenote.tasks import POOLING_TASKS, PoolingTask
+
+
+@dataclass
+class PoolingParams:
+    """Options of one pooling request. ``task`` is filled in by the API that receives it."""
+
+    task: PoolingTask | None = None  # embed | token_embed | classify | token_classify
+    dimensions: int | None = None  # matryoshka truncation of embeddings
+    normalize: bool | None = None  # L2-normalize embeddings; None = the model's default
+    use_activation: bool | None = None  # classifier activation; None = the model's default
+    truncate_prompt_tokens: int | None = None  # keep this many tokens (-1 = the model's limit)
+    truncation_side: Literal["left", "right"] = "right"  # which end truncation cuts
+    step_tag_id: int | None = None  # process reward: rows where token == step_tag_id
+    returned_token_ids: list[int] | None = None  # process reward: columns to return
+
+    def __post_init__(self) -> None:
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(f"unknown pooling task {self.task!r}; choose one of {POOLING_TASKS}")
+        if self.dimensions is not None and (
+            not isinstance(self.dimensions, int) or self.dimensions < 1
+        ):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+        if self.truncation_side not in ("left", "right"):
+            raise ValueError(
+                f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}"
+            )
+
+    def with_task(self, task: PoolingTask) -> PoolingParams:
+        """A copy bound to ``task`` (an explicit task that differs is an error)."""
+        if self.task is not None and self.task != task:
+            raise ValueError(f"pooling params are for task {self.task!r}, not {task!r}")
+        return PoolingParams(**{**self.__dict__, "task": task})

@@ -1,0 +1,88 @@
+"""The flat, unpadded batch of one step: token ids, positions, cumulative lengths, KV slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cenote.forward_context import AttentionMetadata
+from cenote.scheduler.output import ScheduledRequest
+
+
+@dataclass
+class InputBatch:
+    """Tensors fed to the trunk, plus where each request's rows lie."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, position of each token in its request
+    token_type_ids: torch.Tensor | None  # [num_tokens] int64, when any request has segments
+    attention: AttentionMetadata  # cumulative lengths, KV slots and block tables
+    row_ends: list[int]  # [num_requests] index one past each request's last row
+
+
+def build_input_batch(
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    kv_caches: list[torch.Tensor] | None,
+) -> InputBatch:
+    """Concatenate the new tokens of every scheduled request, in batch order."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    has_segments = any(s.token_type_ids is not None for s in scheduled)
+    token_types: list[int] = []
+    for s in scheduled:
+        input_ids.extend(s.token_ids)
+        positions.extend(range(s.start_position, s.start_position + s.num_tokens))
+        query_start_loc.append(query_start_loc[-1] + s.num_tokens)
+        seq_lens.append(s.start_position + s.num_tokens)
+        if has_segments:
+            token_types.extend(s.token_type_ids or [0] * s.num_tokens)
+    positions_tensor = torch.tensor(positions, dtype=torch.long)
+    slot_mapping = None
+    block_tables = None
+    if kv_caches is not None:
+        block_tables = [s.block_ids for s in scheduled]
+        slot_mapping = _slot_mapping(scheduled, positions_tensor, block_size)
+    attention = AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        causal=kv_caches is not None,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        block_size=block_size,
+        kv_caches=kv_caches,
+    )
+    return InputBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=positions_tensor,
+        token_type_ids=torch.tensor(token_types, dtype=torch.long) if has_segments else None,
+        attention=attention,
+        row_ends=query_start_loc[1:],
+    )
+
+
+def _slot_mapping(
+    scheduled: list[ScheduledRequest], positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """[num_tokens] flat KV slot of every new token: block_id * block_size + offset."""
+    block_of_token = []
+    for s in scheduled:
+        first, last = (
+            s.start_position // block_size,
+            (s.start_position + s.num_tokens - 1) // block_size,
+        )
+        counts = []
+        for b in range(first, last + 1):
+            lo = max(s.start_position, b * block_size)
+            hi = min(s.start_position + s.num_tokens, (b + 1) * block_size)
+            counts.append(hi - lo)
+        block_of_token.append(
+            torch.repeat_interleave(
+                torch.tensor(s.block_ids[first : last + 1]), torch.tensor(counts)
+            )
+        )
+    blocks = torch.cat(block_of_token) if block_of_token else torch.empty(0, dtype=torch.long)
+    return blocks * block_size + positions % block_size

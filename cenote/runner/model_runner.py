@@ -1,0 +1,171 @@
+"""One model runner: builds the flat batch, runs the trunk, then branches once per row."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cenote.config import EngineConfig
+from cenote.engine.messages import LogprobsLists
+from cenote.forward_context import forward_context
+from cenote.pooling.metadata import PoolingMetadata
+from cenote.runner.batch import InputBatch, build_input_batch
+from cenote.runner.output import ModelRunnerOutput
+from cenote.sampling.metadata import SamplingMetadata, SamplingRow, make_generator
+from cenote.sampling.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
+from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
+
+
+class ModelRunner:
+    """Executes scheduler outputs on one model; holds the KV cache tensors and per-request state
+    that lives across steps (seeded generators, hidden states of chunked pooling prompts)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: nn.Module,
+        pooler: nn.Module | None,
+        kv_caches: list[torch.Tensor] | None,  # per layer [2, blocks, block_size, kv_heads, dim]
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.pooler = pooler
+        self.kv_caches = kv_caches
+        self.block_size = config.cache.block_size
+        self.vocab_size = config.model.vocab_size
+        self.sampler = Sampler() if hasattr(model, "compute_logits") else None
+        self._generators: dict[str, torch.Generator] = {}
+        self._partial_hidden: dict[str, list[torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # 1) forget requests that finished or were preempted
+        for request_id in scheduler_output.finished_request_ids:
+            self._generators.pop(request_id, None)
+            self._partial_hidden.pop(request_id, None)
+        for request_id in scheduler_output.preempted_request_ids:
+            self._partial_hidden.pop(request_id, None)
+        output = ModelRunnerOutput()
+        if scheduler_output.is_empty:
+            return output
+        # 2) flat batch -> trunk
+        scheduled = scheduler_output.scheduled
+        batch = build_input_batch(scheduled, self.block_size, self.kv_caches)
+        with forward_context(batch.attention):
+            hidden = self.model(batch.input_ids, batch.positions, batch.token_type_ids)
+        # 3) branch once per row: pool finished prompts, sample at the end of known tokens
+        output.pooler_output = self._pool(scheduled, batch, hidden)
+        if self.sampler is not None:
+            self._sample(scheduled, batch, hidden, output)
+            self._prompt_logprobs(scheduled, batch, hidden, output)
+        return output
+
+    # ---- pooling branch ---------------------------------------------------------------------
+
+    def _pool(
+        self, scheduled: list[ScheduledRequest], batch: InputBatch, hidden: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        rows, params, prompts, start_loc, ids = [], [], [], [0], []
+        whole_batch = True  # every row of the step is a whole pooled prompt, in order
+        for i, s in enumerate(scheduled):
+            if s.pooling_params is None:
+                whole_batch = False
+                continue
+            start = batch.row_ends[i] - s.num_tokens
+            chunk = hidden[start : batch.row_ends[i]]  # [num_tokens, hidden]
+            if not s.completes_prompt:
+                self._partial_hidden.setdefault(s.request_id, []).append(chunk.clone())
+                whole_batch = False
+                continue
+            parts = self._partial_hidden.pop(s.request_id, [])
+            whole_batch = whole_batch and not parts
+            whole = torch.cat([*parts, chunk]) if parts else chunk  # [rows seen, hidden]
+            rows.append(whole)
+            params.append(s.pooling_params)
+            prompts.append(s.prompt_token_ids[len(s.prompt_token_ids) - whole.shape[0] :])
+            start_loc.append(start_loc[-1] + whole.shape[0])
+            ids.append(s.request_id)
+        if not ids:
+            return {}
+        pooled_hidden = hidden if whole_batch else torch.cat(rows)
+        metadata = PoolingMetadata(
+            start_loc=start_loc, pooling_params=params, prompt_token_ids=prompts
+        )
+        results = self.pooler(pooled_hidden, metadata)
+        return dict(zip(ids, results, strict=True))
+
+    # ---- sampling branch --------------------------------------------------------------------
+
+    def _sample(
+        self,
+        scheduled: list[ScheduledRequest],
+        batch: InputBatch,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        indices = [i for i, s in enumerate(scheduled) if s.needs_sample]
+        if not indices:
+            return
+        last_rows = torch.tensor([batch.row_ends[i] - 1 for i in indices])
+        logits = self.model.compute_logits(hidden[last_rows])  # [num_rows, vocab]
+        rows = [self._sampling_row(scheduled[i]) for i in indices]
+        metadata = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
+        result = self.sampler(logits, metadata)
+        sampled = result.sampled_token_ids.tolist()
+        for row, i in enumerate(indices):
+            s = scheduled[i]
+            output.sampled_token_ids[s.request_id] = [sampled[row]]
+            if result.logprobs is not None and s.sampling_params.logprobs is not None:
+                output.logprobs[s.request_id] = _slice_logprobs(
+                    result.logprobs, row, row + 1, s.sampling_params.logprobs
+                )
+
+    def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
+        params = s.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = self._generators.get(s.request_id)
+            if generator is None:
+                generator = self._generators[s.request_id] = make_generator(params.seed)
+        masked = None
+        if len(s.output_token_ids) < params.min_tokens:
+            masked = list(params.stop_token_ids or [])
+            if s.eos_token_id is not None:
+                masked.append(s.eos_token_id)
+        return SamplingRow(params, s.prompt_token_ids, s.output_token_ids, generator, masked)
+
+    def _prompt_logprobs(
+        self,
+        scheduled: list[ScheduledRequest],
+        batch: InputBatch,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Logprobs of each prompt token given the ones before it, for the rows computed now."""
+        for i, s in enumerate(scheduled):
+            params = s.sampling_params
+            if params is None or params.prompt_logprobs is None:
+                continue
+            prompt_len = len(s.prompt_token_ids)
+            end = min(
+                s.start_position + s.num_tokens, prompt_len - 1
+            )  # last position with a next prompt token
+            if end <= s.start_position:
+                continue
+            start_row = batch.row_ends[i] - s.num_tokens
+            logits = self.model.compute_logits(
+                hidden[start_row : start_row + end - s.start_position]
+            )
+            next_ids = torch.tensor(s.prompt_token_ids[s.start_position + 1 : end + 1])
+            tensors = compute_prompt_logprobs(logits, next_ids, params.prompt_logprobs)
+            output.prompt_logprobs[s.request_id] = _slice_logprobs(
+                tensors, 0, logits.shape[0], params.prompt_logprobs
+            )
+
+
+def _slice_logprobs(tensors: LogprobsTensors, start: int, end: int, k: int) -> LogprobsLists:
+    return LogprobsLists(
+        token_ids=tensors.token_ids[start:end, : k + 1].tolist(),
+        logprobs=tensors.logprobs[start:end, : k + 1].tolist(),
+        ranks=tensors.ranks[start:end].tolist(),
+    )

@@ -1,0 +1,203 @@
+"""The sampler: logits -> next token ids (+ logprobs), as a pipeline of small functions.
+
+    compute_logprobs (raw) -> mask_tokens -> apply_penalties -> greedy argmax
+        -> apply_temperature -> apply_top_k_top_p -> apply_min_p -> random_sample
+
+All arithmetic is in fp32 whatever the logits dtype. Every step is row-wise, and seeded rows
+draw their noise from their own generator, so a seeded request gets the same token alone or
+inside any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cenote.sampling.metadata import SamplingMetadata
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of a chosen token plus the top-k alternatives, one row per position."""
+
+    token_ids: torch.Tensor  # [num_rows, k + 1] int64: chosen token, then top-k by logprob
+    logprobs: torch.Tensor  # [num_rows, k + 1] fp32, aligned with token_ids
+    ranks: torch.Tensor  # [num_rows] int64: 1-based rank of the chosen token
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler returns to the runner."""
+
+    sampled_token_ids: torch.Tensor  # [num_rows] int64
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+
+
+class Sampler(nn.Module):
+    """Turns last-position logits into next tokens according to ``SamplingMetadata``."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [num_rows, vocab_size]; input is not modified.
+
+        Logprobs (when any row asks) are the log-softmax of the raw logits, before masks,
+        penalties and temperature; the runner slices each row to its own ``logprobs`` count.
+        """
+        # 1) fp32 working copy
+        logits = logits.to(torch.float32, copy=True)
+        # 2) raw logprobs, before anything changes the logits
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = compute_logprobs(logits)
+        # 3) banned tokens and penalties
+        logits = mask_tokens(logits, metadata.masked_token_ids)
+        if not metadata.no_penalties:
+            logits = apply_penalties(logits, metadata)
+        # 4) choose
+        sampled = sample(logits, metadata)
+        # 5) logprobs of the chosen tokens
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax over the vocabulary."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def mask_tokens(logits: torch.Tensor, row_to_token_ids: dict[int, list[int]]) -> torch.Tensor:
+    """Set ``logits[row, token] = -inf`` for each listed token (in place; returns ``logits``).
+
+    For EOS / stop ids before ``min_tokens`` and for bad words; ids outside the vocabulary are
+    ignored.
+    """
+    vocab_size = logits.shape[-1]
+    for row, token_ids in row_to_token_ids.items():
+        ids = [t for t in token_ids if 0 <= t < vocab_size]
+        if ids:
+            logits[row, ids] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty (HF) on prompt + output tokens, then presence / frequency (OpenAI).
+
+    Repetition: a seen token's logit is divided by the penalty when positive, multiplied when
+    not. Presence / frequency: ``logit -= presence * (count > 0) + frequency * count`` over the
+    output tokens.
+    """
+    num_rows, vocab_size = logits.shape
+    assert metadata.prompt_token_ids is not None and metadata.output_token_ids is not None
+    output_counts = token_counts(metadata.output_token_ids, vocab_size)  # [num_rows, vocab]
+    prompt_seen = token_counts(metadata.prompt_token_ids, vocab_size) > 0
+    seen = prompt_seen | (output_counts > 0)  # [num_rows, vocab]
+    penalty = metadata.repetition_penalties.unsqueeze(1).expand(num_rows, vocab_size)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(seen, penalised, logits)
+    logits -= metadata.frequency_penalties.unsqueeze(1) * output_counts
+    logits -= metadata.presence_penalties.unsqueeze(1) * (output_counts > 0).float()
+    return logits
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Occurrences of each token per row [num_rows, vocab_size] fp32; id ``vocab_size`` = pad."""
+    num_rows = token_ids.shape[0]
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Greedy rows take the argmax; the others go through temperature, top-k/top-p, min-p."""
+    if metadata.all_greedy:  # also the empty batch
+        return logits.argmax(dim=-1)
+    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+    logits = apply_temperature(logits, metadata.temperature)
+    if not metadata.no_top_k_top_p:
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    probs = torch.softmax(logits, dim=-1)
+    sampled = random_sample(probs, metadata.generators)
+    if greedy is None:
+        return sampled
+    return torch.where(metadata.greedy_mask, greedy, sampled)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Divide each row by its temperature [num_rows] (must be > 0)."""
+    return logits / temperature.unsqueeze(1)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep each row's ``k`` largest logits (ties with the k-th kept) and its smallest nucleus.
+
+    The nucleus is the set of most likely tokens whose probability mass reaches ``p``; at least
+    one token always survives. Dropped tokens become ``-inf``. ``k = vocab_size`` / ``p = 1``
+    disable a row's truncation.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    logits_sort, sort_index = logits.sort(dim=-1, descending=False)  # ascending
+    vocab_size = logits.shape[-1]
+    if top_k is not None:
+        kth_column = (vocab_size - top_k.clamp(1, vocab_size)).unsqueeze(1)
+        kth_value = logits_sort.gather(1, kth_column)  # [num_rows, 1]
+        logits_sort.masked_fill_(logits_sort < kth_value, float("-inf"))
+    if top_p is not None:
+        cumulative = logits_sort.softmax(dim=-1).cumsum(dim=-1)  # ascending mass
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        logits_sort.masked_fill_(drop, float("-inf"))
+    return logits_sort.scatter(-1, sort_index, logits_sort)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p * max probability`` of their row."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exponential-race sampling: ``argmax(probs / q)`` with ``q ~ Exponential(1)``.
+
+    Equivalent to drawing from ``probs``. Row ``i`` in ``generators`` draws its ``q`` from its
+    own generator only, so its result does not depend on the other rows.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    return probs.div(q).argmax(dim=-1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
+) -> LogprobsTensors:
+    """The logprob and rank of ``token_ids`` [num_rows] plus each row's top ``num_logprobs``."""
+    topk_logprobs, topk_ids = torch.topk(logprobs, num_logprobs, dim=-1)
+    token_ids = token_ids.to(torch.int64).unsqueeze(1)  # [num_rows, 1]
+    token_logprobs = logprobs.gather(-1, token_ids)  # [num_rows, 1]
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1  # [num_rows]
+    return LogprobsTensors(
+        token_ids=torch.cat([token_ids, topk_ids], dim=1),
+        logprobs=torch.cat([token_logprobs, topk_logprobs], dim=1),
+        ranks=ranks,
+    )
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Prompt logprobs: ``logits[i]`` [num_positions, vocab] predicts ``next_token_ids[i]``.
+
+    Raw log-softmax in fp32 (no penalties or temperature), same layout as sampled logprobs.
+    """
+    return gather_logprobs(compute_logprobs(logits), num_logprobs, next_token_ids)

@@ -1,0 +1,121 @@
+"""Per-request sampling parameters (vLLM-compatible field names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+# Temperatures below this are treated as greedy decoding.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class SamplingType(IntEnum):
+    """How the sampler picks a row's next token."""
+
+    GREEDY = 0  # argmax of the (penalised) logits
+    RANDOM = 1  # sampled from the batch-wide random stream
+    RANDOM_SEED = 2  # sampled with the request's own seeded generator
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how; validated on construction.
+
+    Raises ``ValueError`` (with the offending number) for out-of-range values and ``TypeError``
+    for a ``stop`` of the wrong type. ``stop`` is normalised to ``list[str]`` and
+    ``stop_token_ids`` to ``list[int]``.
+    """
+
+    n: int = 1  # number of completions per prompt
+    temperature: float = 1.0  # softmax temperature; < 1e-5 means greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob; 0 = off
+    repetition_penalty: float = 1.0  # HF-style, on prompt + output tokens; 1 = off
+    presence_penalty: float = 0.0  # OpenAI-style, on output tokens, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI-style, per occurrence in output, in [-2, 2]
+    seed: int | None = None  # per-request seed: reproducible whatever the batch
+    max_tokens: int = 16  # maximum number of generated tokens
+    min_tokens: int = 0  # EOS / stop tokens are masked until this many are generated
+    stop: str | list[str] | None = None  # stop strings (excluded from output by default)
+    stop_token_ids: list[int] | None = None  # extra token ids that end generation
+    ignore_eos: bool = False  # keep generating past EOS
+    logprobs: int | None = None  # number of top logprobs returned per sampled token
+    prompt_logprobs: int | None = None  # number of top logprobs returned per prompt token
+    skip_special_tokens: bool = True  # drop special tokens from the detokenized text
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    detokenize: bool = True  # produce text at all
+
+    def __post_init__(self) -> None:
+        self.stop = _normalize_stop(self.stop)
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field and value of the first invalid setting."""
+        _check(self.n >= 1, f"n must be at least 1, got {self.n}")
+        _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
+        _check(
+            self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+        )
+        _check(self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            self.repetition_penalty > 0,
+            f"repetition_penalty must be positive, got {self.repetition_penalty}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or value >= 0, f"{name} must be non-negative, got {value}")
+        bad_ids = [t for t in self.stop_token_ids if t < 0]
+        _check(not bad_ids, f"stop_token_ids must be non-negative, got {bad_ids}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is the argmax (temperature below 1e-5)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """GREEDY, RANDOM_SEED (seed set) or RANDOM."""
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length of the longest stop string (0 when there are none)."""
+        return max((len(s) for s in self.stop), default=0)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _normalize_stop(stop: object) -> list[str]:
+    """``None`` -> ``[]``, ``str`` -> ``[str]``, list/tuple of ``str`` -> list; else TypeError."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list | tuple):
+        for item in stop:
+            if not isinstance(item, str):
+                raise TypeError(
+                    f"stop must be a str or a list of str, got a list containing "
+                    f"{type(item).__name__} ({item!r})"
+                )
+        return [s for s in stop if s]
+    raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__}")

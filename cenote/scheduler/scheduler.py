@@ -1,0 +1,302 @@
+"""Continuous batching under a token budget. The scheduler speaks only tokens."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from cenote.config import CacheConfig, SchedulerConfig
+from cenote.engine.messages import EngineCoreOutput
+from cenote.kv_cache.manager import KVCacheManager
+from cenote.runner.output import ModelRunnerOutput
+from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
+from cenote.scheduler.request import FINISH_REASONS, Request, RequestStatus
+
+
+class Scheduler:
+    """Waiting and running queues; decides how many new tokens each request computes per step."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_manager: KVCacheManager | None,  # None for encoder-only models
+        prefix_cacheable_tasks: frozenset[
+            str
+        ] = frozenset(),  # pooling tasks that read only the last token
+        max_model_len: int = 1 << 30,  # generation stops here
+    ) -> None:
+        self.max_model_len = max_model_len
+        self.config = scheduler_config
+        self.prefix_cacheable_tasks = prefix_cacheable_tasks
+        self.cache_config = cache_config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_request_ids: set[str] = set()
+
+    # ---- queue management -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if not self._can_chunk(request) and request.num_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"request {request.request_id} has {request.num_tokens} tokens and cannot be "
+                f"split, but max_num_batched_tokens is {self.config.max_num_batched_tokens}"
+            )
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            self.waiting.append(request)
+            self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (abort, stop string); unknown ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if self.kv_cache_manager is not None:
+            self.kv_cache_manager.free(request)
+        self.finished_request_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- scheduling -------------------------------------------------------------------------
+
+    def _can_chunk(self, request: Request) -> bool:
+        """Causal requests may be split across steps; encoder prompts are computed whole."""
+        return self.kv_cache_manager is not None and self.config.enable_chunked_prefill
+
+    def _can_use_prefix_cache(self, request: Request) -> bool:
+        """Skipping cached tokens is safe unless the pooler must see every token's hidden state."""
+        if self.kv_cache_manager is None:
+            return False
+        params = request.pooling_params
+        return params is None or params.task in self.prefix_cacheable_tasks
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick the requests of the next step.
+
+        Invariants: at most ``max_num_batched_tokens`` new tokens and ``max_num_seqs`` requests
+        per step; running requests go first (oldest first), then waiting ones in FCFS (or priority)
+        order, and a waiting request never jumps ahead of an earlier one that does not fit. A
+        request is its ``num_computed_tokens`` catching up with ``num_tokens``; encoder requests
+        are scheduled whole. When KV blocks run out, the newest (or lowest-priority) running
+        request is preempted and recomputed later.
+        """
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        now = time.monotonic()
+
+        # 1) running requests: decode tokens and continuing prompt chunks
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            if not self._allocate_or_preempt(request, index, num_new, preempted):
+                break  # the request itself was preempted
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # 2) waiting requests, unless this step had to preempt
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            num_new = self._admit(request, budget)
+            if num_new is None:
+                break  # FCFS: nobody jumps the queue
+            self.waiting.popleft()
+            if request.status == RequestStatus.PREEMPTED:
+                request.num_preemptions += 1
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_request_ids=preempted,
+            finished_request_ids=self.finished_request_ids,
+        )
+        self.finished_request_ids = set()
+        return output
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Allocate for a waiting request; its number of new tokens, or None if it must wait."""
+        manager = self.kv_cache_manager
+        if manager is None:
+            num_new = request.num_tokens - request.num_computed_tokens
+            return num_new if num_new <= budget else None
+        blocks, num_cached = [], 0
+        if self._can_use_prefix_cache(request) and request.num_computed_tokens == 0:
+            blocks, num_cached = manager.get_computed_blocks(request)
+        num_new = request.num_tokens - request.num_computed_tokens - num_cached
+        if num_new > budget:
+            if not self._can_chunk(request):
+                return None
+            num_new = budget
+        if manager.allocate_slots(request, num_new, blocks, num_cached) is None:
+            return None
+        request.num_computed_tokens += num_cached
+        request.num_cached_tokens = num_cached
+        return num_new
+
+    def _allocate_or_preempt(
+        self, request: Request, index: int, num_new: int, preempted: list[str]
+    ) -> bool:
+        """Allocate for ``running[index]``, preempting requests not yet scheduled this step if
+        needed; False if the request itself had to be preempted."""
+        while self.kv_cache_manager is not None:
+            if self.kv_cache_manager.allocate_slots(request, num_new) is not None:
+                return True
+            victim = self._pick_victim(self.running[index:])
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self._enqueue(request, front=True)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        prompt_len = request.num_prompt_tokens
+        all_ids = request.prompt_token_ids if end <= prompt_len else request.all_token_ids
+        block_ids = (
+            self.kv_cache_manager.get_block_ids(request.request_id)
+            if self.kv_cache_manager is not None
+            else []
+        )
+        token_type_ids = None
+        if request.token_type_ids is not None:
+            token_type_ids = request.token_type_ids[start:end]
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=all_ids[start:end],
+            start_position=start,
+            block_ids=block_ids,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            token_type_ids=token_type_ids,
+            sampling_params=request.sampling_params,
+            pooling_params=request.pooling_params,
+            eos_token_id=request.eos_token_id,
+            completes_prompt=start < prompt_len <= end,
+            needs_sample=request.sampling_params is not None and end == request.num_tokens,
+        )
+
+    # ---- after the step ---------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled tokens, finish requests that are done."""
+        outputs = []
+        for s in scheduler_output.scheduled:
+            request = self.requests[s.request_id]
+            request.num_computed_tokens += s.num_tokens
+            if request.is_pooling:
+                if s.completes_prompt:
+                    self._finish_running(request, RequestStatus.FINISHED_POOLED)
+                    outputs.append(
+                        EngineCoreOutput(
+                            request_id=request.request_id,
+                            pooling_output=runner_output.pooler_output[request.request_id],
+                            finish_reason="stop",
+                            num_cached_tokens=request.num_cached_tokens,
+                        )
+                    )
+                continue
+            output = self._update_generation(request, s.request_id, runner_output)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _update_generation(
+        self, request: Request, request_id: str, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        new_token_ids = runner_output.sampled_token_ids.get(request_id, [])
+        prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+        if not new_token_ids and prompt_logprobs is None:
+            return None
+        request.append_output_token_ids(new_token_ids)
+        status = self._check_stop(request) if new_token_ids else None
+        if status is not None:
+            self._finish_running(request, status)
+        return EngineCoreOutput(
+            request_id=request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=runner_output.logprobs.get(request_id),
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=FINISH_REASONS[status] if status is not None else None,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if last in (params.stop_token_ids or ()):
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and last == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish_running(self, request: Request, status: RequestStatus) -> None:
+        self.running.remove(request)
+        self._free(request, status)
