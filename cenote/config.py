@@ -73,14 +73,11 @@ class ModelConfig:
         served_model_name: str | None = None,
     ) -> ModelConfig:
         path = Path(model) if model is not None else default_model_path()
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} is not a model folder: config.json is missing")
-        with open(path / "config.json", encoding="utf-8") as f:
-            hf_config = {**json.load(f), **(hf_overrides or {})}
+        hf_config = {**_read_hf_config(path), **(hf_overrides or {})}
         architectures = hf_config.get("architectures") or []
         if not architectures:
             raise ValueError(f"{path / 'config.json'} names no architecture")
-        st_config = load_st_config(path)
+        st_config = None if path.is_file() else load_st_config(path)
         limit = _model_len_limit(hf_config, st_config)
         if max_model_len is not None:
             if max_model_len > limit:
@@ -100,6 +97,11 @@ class ModelConfig:
         )
 
     @property
+    def gguf_file(self) -> Path | None:
+        """The GGUF file when the model is one, else None (a Hugging Face folder)."""
+        return self.path if self.path.is_file() else None
+
+    @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
@@ -108,6 +110,19 @@ class ModelConfig:
         return bool(
             self.hf_config.get("is_matryoshka") or self.hf_config.get("matryoshka_dimensions")
         )
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    if path.is_file() and path.suffix == ".gguf":
+        from cenote.models.gguf_loader import cached_gguf
+
+        return dict(cached_gguf(path).config)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"{path} is not a model folder (config.json is missing) nor a .gguf file"
+        )
+    with open(path / "config.json", encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _model_len_limit(hf_config: dict[str, Any], st_config: SentenceTransformerConfig | None) -> int:

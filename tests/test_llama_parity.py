@@ -49,7 +49,7 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
 
 
 def _hf_model(variant: str, head: str, **extra) -> torch.nn.Module:
-    """A seeded random transformers model whose every parameter (norms, biases too) is non-trivial."""
+    """A seeded random transformers model with every parameter (norms, biases) non-trivial."""
     config_class, prefix, overrides = VARIANTS[variant]
     config = getattr(transformers, config_class)(**{**_SMALL, **overrides, **extra})
     torch.manual_seed(0)
@@ -175,3 +175,19 @@ def test_registry_and_cache_geometry(causal_pair: Pair) -> None:
     assert causal_pair.ours.num_layers == config.num_hidden_layers
     assert causal_pair.ours.num_kv_heads == config.num_key_value_heads
     assert causal_pair.ours.head_dim == getattr(config, "head_dim", 16)
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [{"type": "linear", "factor": 2.0}, {"rope_type": "llama3", **_LLAMA3_ROPE}],
+    ids=["linear", "llama3"],
+)
+def test_rope_from_legacy_config_keys_matches_transformers(rope_scaling: dict) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from cenote.models.layers.rotary import RotaryEmbedding
+
+    legacy = {**_SMALL, "rope_theta": 500.0, "rope_scaling": rope_scaling}  # pre-v5 config.json
+    hf_config = transformers.LlamaConfig(**legacy)
+    expected, _ = ROPE_INIT_FUNCTIONS[hf_config.rope_parameters["rope_type"]](hf_config, "cpu")
+    torch.testing.assert_close(RotaryEmbedding(16, legacy).inv_freq, expected, atol=0, rtol=1e-6)

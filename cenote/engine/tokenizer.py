@@ -3,26 +3,49 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from cenote.config import ModelConfig
 
-def load_tokenizer(model_dir: Path) -> Tokenizer:
-    path = model_dir / "tokenizer.json"
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{model_dir} has no tokenizer.json; cenote uses the fast tokenizer format only"
-        )
-    tokenizer = Tokenizer.from_file(str(path))
+
+def load_tokenizer(model_config: ModelConfig) -> Tokenizer:
+    """tokenizer.json of a folder, or the tokenizer in a GGUF file's metadata."""
+    if model_config.gguf_file is not None:
+        from cenote.models.gguf_loader import cached_gguf
+
+        tokenizer = cached_gguf(model_config.gguf_file).tokenizer
+    else:
+        path = model_config.path / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{model_config.path} has no tokenizer.json; cenote reads the fast tokenizer "
+                "format only"
+            )
+        tokenizer = Tokenizer.from_file(str(path))
     tokenizer.no_padding()
     tokenizer.no_truncation()
     return tokenizer
 
 
-def load_tokenizer_config(model_dir: Path) -> dict:
-    path = model_dir / "tokenizer_config.json"
+def load_tokenizer_config(model_config: ModelConfig) -> dict:
+    if model_config.gguf_file is not None:
+        return {}
+    path = model_config.path / "tokenizer_config.json"
     if not path.exists():
         return {}
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def load_chat_template(model_config: ModelConfig) -> str | None:
+    """The model's chat template: GGUF metadata, tokenizer_config.json or chat_template.jinja."""
+    if model_config.gguf_file is not None:
+        from cenote.models.gguf_loader import cached_gguf
+
+        return cached_gguf(model_config.gguf_file).chat_template
+    template = load_tokenizer_config(model_config).get("chat_template")
+    jinja = model_config.path / "chat_template.jinja"
+    if template is None and jinja.exists():
+        template = jinja.read_text(encoding="utf-8")
+    return template

