@@ -20,7 +20,7 @@ from cenote.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_KV_BYTES = 4 << 30  # upper bound of the KV cache when no budget is given
+_DEFAULT_KV_BYTES = 1 << 30  # upper bound of the KV cache when no budget is given (~46k tokens of SmolLM2 in bf16)
 
 
 class EngineCore:
@@ -125,7 +125,7 @@ class EngineCore:
 
 
 def _default_kv_budget() -> int:
-    """A quarter of the available memory, at most 4 GiB."""
+    """A quarter of the available memory, at most 1 GiB."""
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
