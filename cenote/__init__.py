@@ -12,12 +12,23 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "PoolingRequestOutput",
+    "ClassificationOutput",
+    "EmbeddingOutput",
+    "PoolingOutput",
+    "ScoringOutput",
     "__version__",
 ]
 
 if TYPE_CHECKING:
     from cenote.entrypoints.llm import LLM
-    from cenote.outputs import PoolingRequestOutput, RequestOutput
+    from cenote.outputs import (
+        ClassificationOutput,
+        EmbeddingOutput,
+        PoolingOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringOutput,
+    )
     from cenote.pooling_params import PoolingParams
     from cenote.sampling_params import SamplingParams
 
@@ -27,6 +38,10 @@ _LAZY = {
     "SamplingParams": "cenote.sampling_params",
     "RequestOutput": "cenote.outputs",
     "PoolingRequestOutput": "cenote.outputs",
+    "PoolingOutput": "cenote.outputs",
+    "ScoringOutput": "cenote.outputs",
+    "EmbeddingOutput": "cenote.outputs",
+    "ClassificationOutput": "cenote.outputs",
 }
 
 

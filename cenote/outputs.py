@@ -32,6 +32,8 @@ class EmbeddingOutput(PoolingOutput):
 class ClassificationOutput(PoolingOutput):
     """Class probabilities (or raw scores when the activation is off)."""
 
+    label_names: tuple[str, ...] | None = None  # id2label of the model, in label order
+
     @property
     def probs(self) -> list[float]:
         return self.data.tolist()
@@ -39,6 +41,12 @@ class ClassificationOutput(PoolingOutput):
     @property
     def num_classes(self) -> int:
         return int(self.data.shape[-1])
+
+    @property
+    def label(self) -> str | int:
+        """The most likely class: its name when the model has id2label, else its index."""
+        index = int(self.data.argmax(-1))
+        return self.label_names[index] if self.label_names is not None else index
 
 
 @dataclass

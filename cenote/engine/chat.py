@@ -60,3 +60,12 @@ def _check_messages(messages: Any) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise InvalidInputError(f"message {i} must be a dict with a 'role' and a 'content'")
+
+
+def render_template(template: str, **variables: Any) -> str:
+    """Render a plain text template (e.g. a reranker's query/document prompt) in the same
+    sandbox as chat templates."""
+    try:
+        return _compile(template).render(**variables)
+    except TemplateError as e:
+        raise InvalidInputError(f"template failed: {e}") from e

@@ -8,19 +8,21 @@ import os
 import torch
 
 from cenote.config import EngineConfig
-from cenote.engine.input_processor import ModelCapabilities
+from cenote.engine.input_processor import ModelCapabilities, ScoreType
 from cenote.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from cenote.kv_cache.manager import KVCacheManager, num_blocks_for_memory
 from cenote.models.loader import load_model
 from cenote.models.registry import get_entry
-from cenote.pooling.builder import build_embedding_pooler
+from cenote.pooling.builder import build_pooler
+from cenote.pooling.pooler import ClassifierPooler
 from cenote.runner.model_runner import ModelRunner
 from cenote.scheduler.request import Request, RequestStatus
 from cenote.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_KV_BYTES = 1 << 30  # upper bound of the KV cache when no budget is given (~46k tokens of SmolLM2 in bf16)
+# upper bound of the KV cache when no budget is given (~46k tokens of SmolLM2 in bf16)
+_DEFAULT_KV_BYTES = 1 << 30
 
 
 class EngineCore:
@@ -33,16 +35,22 @@ class EngineCore:
         model_config = config.model
         entry = get_entry(model_config.architecture)
         self.model = load_model(model_config)
-        pooler = None
-        if "embed" in entry.tasks:
-            pooler = build_embedding_pooler(model_config, self.model.hidden_size, entry.is_causal)
+        pooler = build_pooler(model_config, self.model, entry)
         self.pooler = pooler
         kv_manager, kv_caches = None, None
         if entry.is_causal:
             kv_manager, kv_caches = self._make_kv_cache()
         self.kv_cache_manager = kv_manager
         self.runner = ModelRunner(config, self.model, pooler, kv_caches)
-        cacheable = frozenset({"embed"} if pooler is not None and pooler.method == "last" else ())
+        poolers = pooler.poolers if pooler is not None else {}
+        embedding = poolers.get("embed") or poolers.get("token_embed")
+        classifier = poolers.get("classify")
+        cacheable = set()  # tasks that read only the last token may reuse the prefix cache
+        if "embed" in poolers and embedding.method == "last":
+            cacheable.add("embed")
+        if isinstance(classifier, ClassifierPooler) and classifier.method == "last":
+            cacheable.add("classify")
+        cacheable = frozenset(cacheable)
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -50,11 +58,21 @@ class EngineCore:
             prefix_cacheable_tasks=cacheable,
             max_model_len=model_config.max_model_len,
         )
-        self.capabilities = ModelCapabilities(
-            supported_tasks=entry.tasks,
-            embedding_size=pooler.output_size if pooler is not None else None,
+        self.capabilities = self._capabilities(entry.tasks, embedding, poolers)
+
+    def _capabilities(self, tasks, embedding, poolers) -> ModelCapabilities:
+        model_config = self.config.model
+        classifier = poolers.get("classify") or poolers.get("token_classify")
+        num_labels = classifier.num_labels if isinstance(classifier, ClassifierPooler) else None
+        return ModelCapabilities(
+            supported_tasks=tasks,
+            embedding_size=embedding.output_size if embedding is not None else None,
             is_matryoshka=model_config.is_matryoshka,
             eos_token_id=model_config.hf_config.get("eos_token_id"),
+            num_labels=num_labels,
+            label_names=_label_names(model_config.hf_config, num_labels),
+            score_type=_score_type(model_config.hf_config, tasks),
+            uses_token_type_ids=int(model_config.hf_config.get("type_vocab_size", 0)) > 1,
         )
 
     def _make_kv_cache(self) -> tuple[KVCacheManager, list[torch.Tensor]]:
@@ -122,6 +140,31 @@ class EngineCore:
             prefix_cache_queries=manager.queries if manager is not None else 0,
             prefix_cache_hits=manager.hits if manager is not None else 0,
         )
+
+
+def _label_names(hf_config: dict, num_labels: int | None) -> tuple[str, ...] | None:
+    """id2label names in id order, when the config has one per label."""
+    labels = hf_config.get("id2label")
+    if not labels or num_labels is None or len(labels) != num_labels:
+        return None
+    if hf_config.get("classifier_from_token"):
+        return None  # converted LM: the causal config's labels mean nothing
+    return tuple(str(labels.get(str(i), labels.get(i, i))) for i in range(num_labels))
+
+
+def _score_type(hf_config: dict, tasks: tuple[str, ...]) -> ScoreType | None:
+    """How ``score`` works for this model: a classifier scores pairs (cross-encoder); an
+    embedding model compares embeddings (cosine), or token embeddings (MaxSim) when the config
+    says ``score_type: late_interaction`` or it only embeds tokens."""
+    if "classify" in tasks:
+        return "cross_encoder"
+    if hf_config.get("score_type") == "late_interaction" or (
+        "token_embed" in tasks and "embed" not in tasks
+    ):
+        return "late_interaction"
+    if "embed" in tasks:
+        return "bi_encoder"
+    return None
 
 
 def _default_kv_budget() -> int:

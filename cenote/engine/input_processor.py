@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from tokenizers import Tokenizer
 
@@ -14,6 +14,7 @@ from cenote.errors import InvalidInputError, UnsupportedTaskError
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import SamplingParams
 
+ScoreType = Literal["cross_encoder", "bi_encoder", "late_interaction"]
 PromptType = str | dict[str, Any]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
 
 
@@ -25,6 +26,10 @@ class ModelCapabilities:
     embedding_size: int | None  # output size of the embedding head (before matryoshka)
     is_matryoshka: bool  # dimensions may be requested
     eos_token_id: int | None  # ends generation
+    num_labels: int | None = None  # columns of the classifier head (vocabulary for an LM head)
+    label_names: tuple[str, ...] | None = None  # id2label, in label order
+    score_type: ScoreType | None = None  # how score() compares texts
+    uses_token_type_ids: bool = False  # segment ids matter (BERT pairs)
 
 
 @dataclass
@@ -58,8 +63,11 @@ class InputProcessor:
         truncation_side: str = "right",
         add_special_tokens: bool = True,
         is_pooling: bool = True,
+        indices: Sequence[int] | None = None,
     ) -> list[TokenizedPrompt]:
-        """Tokenize a batch; texts go through the fast tokenizer in one call."""
+        """Tokenize a batch; texts go through the fast tokenizer in one call. ``indices`` are the
+        prompts' positions in the user's list (for error messages)."""
+        indices = list(indices) if indices is not None else list(range(len(prompts)))
         max_length = self._truncation_length(truncate_prompt_tokens)
         texts: list[tuple[int, str]] = []
         results: list[TokenizedPrompt | None] = [None] * len(prompts)
@@ -67,7 +75,7 @@ class InputProcessor:
             if isinstance(prompt, str):
                 texts.append((i, prompt))
             elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-                ids = self._check_token_ids(prompt["prompt_token_ids"], i)
+                ids = self._check_token_ids(prompt["prompt_token_ids"], indices[i])
                 if max_length is not None and len(ids) > max_length:
                     ids = ids[-max_length:] if truncation_side == "left" else ids[:max_length]
                 results[i] = TokenizedPrompt(prompt.get("prompt"), ids)
@@ -75,7 +83,7 @@ class InputProcessor:
                 texts.append((i, prompt["prompt"]))
             else:
                 raise TypeError(
-                    f"prompt {i} is a {type(prompt).__name__}; expected a string or a dict with "
+                    f"prompt {indices[i]} is a {type(prompt).__name__}; expected a string or a dict with "
                     "'prompt' (text) or 'prompt_token_ids' (list of ints)"
                 )
         if texts:
@@ -85,7 +93,7 @@ class InputProcessor:
             for (i, text), enc in zip(texts, encoded, strict=True):
                 results[i] = TokenizedPrompt(text, list(enc.ids))
         for i, result in enumerate(results):
-            self._check_length(result.prompt_token_ids, i, truncate_prompt_tokens)
+            self._check_length(result.prompt_token_ids, indices[i], truncate_prompt_tokens)
         return results
 
     def _encode(self, texts: list[str], max_length, side, add_special_tokens, is_pooling):
@@ -160,6 +168,71 @@ class InputProcessor:
                     f"dimensions must be between 1 and {caps.embedding_size} (the model's "
                     f"embedding size), got {params.dimensions}"
                 )
+        self._check_token_task_params(params)
+
+    def _check_token_task_params(self, params: PoolingParams) -> None:
+        """step_tag_id / returned_token_ids: token_classify only, ids within range."""
+        uses_step = params.step_tag_id is not None or params.returned_token_ids is not None
+        if not uses_step:
+            return
+        if params.task != "token_classify":
+            raise InvalidInputError(
+                f"step_tag_id and returned_token_ids apply to 'token_classify' (reward), "
+                f"not to {params.task!r}"
+            )
+        vocab = self.model_config.vocab_size
+        if params.step_tag_id is not None and not 0 <= params.step_tag_id < vocab:
+            raise InvalidInputError(
+                f"step_tag_id {params.step_tag_id} is outside the vocabulary (size {vocab})"
+            )
+        num_columns = self.capabilities.num_labels or 0
+        for column in params.returned_token_ids or []:
+            if not isinstance(column, int) or not 0 <= column < num_columns:
+                raise InvalidInputError(
+                    f"returned_token_ids entry {column!r} is outside the classifier's "
+                    f"{num_columns} columns"
+                )
+
+    def tokenize_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        truncate_prompt_tokens: int | None = None,
+        max_tokens_per_doc: int | None = None,
+    ) -> list[TokenizedPrompt]:
+        """Cross-encoder inputs: ``[CLS] query [SEP] document [SEP]`` with segment ids. The
+        document is cut first (``max_tokens_per_doc``, then to fit ``truncate_prompt_tokens``);
+        a query that alone exceeds the limit is an error."""
+        max_length = self._truncation_length(truncate_prompt_tokens)
+        if max_tokens_per_doc is not None and (
+            not isinstance(max_tokens_per_doc, int) or max_tokens_per_doc < 1
+        ):
+            raise InvalidInputError(
+                f"max_tokens_per_doc must be a positive integer, got {max_tokens_per_doc!r}"
+            )
+        num_special = self.tokenizer.num_special_tokens_to_add(is_pair=True)
+        queries = self.tokenizer.encode_batch([q for q, _ in pairs], add_special_tokens=False)
+        documents = self.tokenizer.encode_batch([d for _, d in pairs], add_special_tokens=False)
+        results = []
+        for i, (query, document) in enumerate(zip(queries, documents, strict=True)):
+            doc_budget = len(document.ids)
+            if max_tokens_per_doc is not None:
+                doc_budget = min(doc_budget, max_tokens_per_doc)
+            if max_length is not None:
+                room = max_length - num_special - len(query.ids)
+                if room < 0:
+                    raise InvalidInputError(
+                        f"pair {i}: the query has {len(query.ids)} tokens (+{num_special} special), "
+                        f"more than truncate_prompt_tokens={max_length}; documents are cut, "
+                        "queries are not"
+                    )
+                doc_budget = min(doc_budget, room)
+            if doc_budget < len(document.ids):
+                document.truncate(doc_budget)
+            pair = self.tokenizer.post_process(query, document, add_special_tokens=True)
+            token_types = list(pair.type_ids) if self.capabilities.uses_token_type_ids else None
+            results.append(TokenizedPrompt(None, list(pair.ids), token_types))
+            self._check_length(results[-1].prompt_token_ids, i, truncate_prompt_tokens)
+        return results
 
     def check_sampling_params(
         self, params: SamplingParams, num_prompt_tokens: int, index: int

@@ -15,8 +15,17 @@ from cenote.engine.core import EngineCore
 from cenote.engine.input_processor import InputProcessor, PromptType
 from cenote.engine.output_processor import OutputProcessor
 from cenote.engine.tokenizer import load_chat_template, load_tokenizer
-from cenote.models.registry import get_entry
-from cenote.outputs import EmbeddingOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from cenote.entrypoints import scoring
+from cenote.errors import UnsupportedTaskError
+from cenote.models.registry import ConvertOption, convert_architecture, get_entry
+from cenote.outputs import (
+    ClassificationOutput,
+    EmbeddingOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+)
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import SamplingParams
 from cenote.tasks import PoolingTask
@@ -48,10 +57,17 @@ class LLM:
         scheduling_policy: str = "fcfs",
         served_model_name: str | None = None,
         seed: int = 0,
+        convert: ConvertOption = "auto",
     ) -> None:
         model_config = ModelConfig.from_path(
             model, dtype, max_model_len, hf_overrides, served_model_name
         )
+        converted = convert_architecture(model_config.architecture, convert)
+        if converted != model_config.architecture:
+            overrides = {**(hf_overrides or {}), "architectures": [converted]}
+            model_config = ModelConfig.from_path(
+                model, dtype, max_model_len, overrides, served_model_name
+            )
         entry = get_entry(model_config.architecture)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(8192, model_config.max_model_len)
@@ -115,51 +131,131 @@ class LLM:
             prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm, PoolingOutput
         )
 
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput[ClassificationOutput]]:
+        """Class probabilities per prompt (``outputs.probs``; ``outputs.label_names``)."""
+        outputs = self._pool(
+            prompts,
+            pooling_params,
+            "classify",
+            truncate_prompt_tokens,
+            use_tqdm,
+            ClassificationOutput,
+        )
+        return self._with_labels(outputs)
+
+    def reward(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """Reward scores (``outputs.data``): per token (``[num_tokens, num_labels]``, or the STEP
+        rows where token == ``step_tag_id``, columns ``returned_token_ids``) on models that
+        serve ``token_classify``; else the last-token score (``classify``)."""
+        task = "token_classify" if "token_classify" in self.supported_tasks else "classify"
+        return self._pool(
+            prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, PoolingOutput
+        )
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        max_tokens_per_doc: int | None = None,
+        instruction: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput[ScoringOutput]]:
+        """Relevance of each (text_1, text_2) pair (1 -> 1, 1 -> N, N -> N), in input order.
+        Classifiers score pairs as cross-encoders; embedding models compare embeddings (cosine);
+        late-interaction models compare token embeddings (MaxSim)."""
+        pairs = scoring.pair_texts(text_1, text_2)
+        caps = self.engine.capabilities
+        if caps.score_type == "cross_encoder":
+            return scoring.cross_encoder_scores(
+                self, pairs, truncate_prompt_tokens, max_tokens_per_doc, instruction, use_tqdm
+            )
+        if caps.score_type is None:
+            raise UnsupportedTaskError(
+                f"task 'score' is not supported by {self.config.model.served_model_name}; "
+                f"it supports {', '.join(self.supported_tasks)}"
+            )
+        return scoring.embedding_scores(
+            self,
+            pairs,
+            caps.score_type == "late_interaction",
+            truncate_prompt_tokens,
+            max_tokens_per_doc,
+            use_tqdm,
+        )
+
+    def _with_labels(self, outputs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
+        names = self.engine.capabilities.label_names
+        if names is not None:
+            for out in outputs:
+                out.outputs.label_names = names
+        return outputs
+
     def _pool(self, prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, output_class):
         prompts = _as_list(prompts)
         if not prompts:
             return []
-        params_list = self._per_prompt(pooling_params, len(prompts), PoolingParams)
-        params_list = [p.with_task(task) for p in params_list]
-        truncations = {
-            (
-                truncate_prompt_tokens
-                if truncate_prompt_tokens is not None
-                else p.truncate_prompt_tokens,
-                p.truncation_side,
-            )
-            for p in params_list
-        }
-        # 1) validate everything before any work, so one bad prompt leaves the engine untouched
+        params_list = self._pooling_params(
+            pooling_params, len(prompts), task, truncate_prompt_tokens
+        )
+        tokenized = self._tokenize_pooling(prompts, params_list)
+        return self._submit_pooling(tokenized, params_list, output_class, use_tqdm)
+
+    def _pooling_params(self, pooling_params, count, task, truncate_prompt_tokens):
+        """Per-prompt params bound to ``task``, validated before any work is queued."""
+        params_list = [
+            p.with_task(task) for p in self._per_prompt(pooling_params, count, PoolingParams)
+        ]
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in params_list
+            ]
         for params in params_list:
             self.input_processor.check_pooling_params(params)
+        return params_list
+
+    def _tokenize_pooling(self, prompts, params_list) -> list:
+        """Tokenize, one batch per (truncation, side) group."""
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params_list):
+            groups.setdefault((p.truncate_prompt_tokens, p.truncation_side), []).append(i)
         tokenized = [None] * len(prompts)
-        for truncate, side in truncations:
-            indices = [
-                i
-                for i, p in enumerate(params_list)
-                if (
-                    truncate_prompt_tokens
-                    if truncate_prompt_tokens is not None
-                    else p.truncate_prompt_tokens,
-                    p.truncation_side,
-                )
-                == (truncate, side)
-            ]
-            for i, tok in zip(
-                indices,
-                self.input_processor.tokenize([prompts[i] for i in indices], truncate, side),
-                strict=True,
-            ):
+        for (truncate, side), indices in groups.items():
+            batch = self.input_processor.tokenize([prompts[i] for i in indices], truncate, side)
+            for i, tok in zip(indices, batch, strict=True):
                 tokenized[i] = tok
+        return tokenized
+
+    def _submit_pooling(self, tokenized, params_list, output_class, use_tqdm) -> list:
         requests = [
             self.input_processor.make_request(self._next_id(), tok, pooling_params=params)
             for tok, params in zip(tokenized, params_list, strict=True)
         ]
-        # 2) submit, 3) run to completion
-        for request, tok in zip(requests, tokenized, strict=True):
-            self.output_processor.add_pooling_request(request, tok.prompt, output_class)
-            self.engine.add_request(request)
+        submitted: set[str] = set()
+        try:
+            for request, tok in zip(requests, tokenized, strict=True):
+                self.output_processor.add_pooling_request(request, tok.prompt, output_class)
+                submitted.add(request.request_id)
+                self.engine.add_request(request)
+        except BaseException:
+            self._abort(submitted)  # a request the engine refuses leaves none of its batch behind
+            raise
         return self._run([r.request_id for r in requests], use_tqdm)
 
     # ---- generation -------------------------------------------------------------------------
@@ -180,20 +276,24 @@ class LLM:
         for i, (tok, params) in enumerate(zip(tokenized, params_list, strict=True)):
             self.input_processor.check_sampling_params(params, len(tok.prompt_token_ids), i)
         user_ids = []
-        for tok, params in zip(tokenized, params_list, strict=True):
-            user_id = self._next_id()
-            children = [
-                self.input_processor.make_request(
-                    f"{i}_{user_id}" if params.n > 1 else user_id,
-                    tok,
-                    sampling_params=_child_params(params, i),
-                )
-                for i in range(params.n)
-            ]
-            self.output_processor.add_generation_request(user_id, tok.prompt, children)
-            for child in children:
-                self.engine.add_request(child)
-            user_ids.append(user_id)
+        try:
+            for tok, params in zip(tokenized, params_list, strict=True):
+                user_id = self._next_id()
+                children = [
+                    self.input_processor.make_request(
+                        f"{i}_{user_id}" if params.n > 1 else user_id,
+                        tok,
+                        sampling_params=_child_params(params, i),
+                    )
+                    for i in range(params.n)
+                ]
+                self.output_processor.add_generation_request(user_id, tok.prompt, children)
+                user_ids.append(user_id)
+                for child in children:
+                    self.engine.add_request(child)
+        except BaseException:
+            self._abort(set(user_ids))  # a request the engine refuses leaves none of its batch
+            raise
         return self._run(user_ids, use_tqdm)
 
     def chat(

@@ -131,8 +131,11 @@ class BertModel(nn.Module):
             return None if name.endswith("position_ids") else (name, None)
         if name.startswith("pooler.dense."):
             return "pooler_dense." + name.rsplit(".", 1)[-1], None
+        if name.startswith("classifier."):
+            # a task head (bert_classifiers.py) keeps HF's names; trunks skip it
+            return (name, None) if hasattr(self, "classifier") else None
         if not name.startswith("encoder.layer."):
-            return None  # task heads are loaded by their own modules
+            return None
         rest = name[len("encoder.layer.") :]
         index, rest = rest.split(".", 1)
         module, kind = rest.rsplit(".", 1)

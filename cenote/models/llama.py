@@ -255,17 +255,79 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 class LlamaForSequenceClassification(LlamaDecoder):
-    """The trunk with a bias-free ``score`` head; the pooler picks each request's last token."""
+    """The trunk with a bias-free ``score`` head; the pooler picks each request's last token.
+
+    Converted from a causal LM with ``classifier_from_token`` (e.g. ``["no", "yes"]``), the head
+    is built from those LM-head rows: one row per token, or, with
+    ``is_original_qwen3_reranker``, the single row ``w_yes - w_no`` so that
+    ``sigmoid(score) = sigmoid(logit_yes - logit_no)`` (Qwen3-Reranker).
+    """
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
-        labels = self.config.get("id2label")
-        self.num_labels = len(labels) if labels else int(self.config.get("num_labels", 2))
+        tokens = self.config.get("classifier_from_token")
+        self.from_token_ids: list[int] | None = None
+        self.two_way = bool(self.config.get("is_original_qwen3_reranker")) or (
+            self.config.get("method") == "from_2_way_softmax"
+        )
+        if tokens:
+            self.from_token_ids = _token_ids(model_config, list(tokens))
+            if self.two_way and len(tokens) != 2:
+                raise ValueError(
+                    f"is_original_qwen3_reranker needs 2 classifier_from_token entries "
+                    f"(false, true), got {len(tokens)}: {tokens}"
+                )
+            self.num_labels = 1 if self.two_way else len(tokens)
+        else:
+            labels = self.config.get("id2label")
+            self.num_labels = len(labels) if labels else int(self.config.get("num_labels", 2))
         self.score = nn.Linear(self.hidden_size, self.num_labels, bias=False)
 
     def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden]`` -> fp32 scores ``[N, num_labels]`` (matmul in the model dtype)."""
-        return self.score(hidden).float()
+        """``hidden [N, hidden]`` -> fp32 scores ``[N, num_labels]`` (the head runs in fp32)."""
+        return F.linear(hidden.float(), self.score.weight.float())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.from_token_ids is None:
+            return super().load_weights(weights)
+        sources: dict[str, torch.Tensor] = {}
+
+        def trunk_weights() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name in ("lm_head.weight", "model.embed_tokens.weight"):
+                    sources[name] = tensor
+                if name != "lm_head.weight":
+                    yield name, tensor
+
+        loaded = super().load_weights(trunk_weights())
+        lm_head = sources.get("lm_head.weight", sources.get("model.embed_tokens.weight"))
+        if lm_head is None:
+            raise ValueError("classifier_from_token needs lm_head.weight or tied embeddings")
+        rows = lm_head[self.from_token_ids].float()  # [num_tokens, hidden]
+        weight = (rows[1] - rows[0]).unsqueeze(0) if self.two_way else rows
+        with torch.no_grad():
+            self.score.weight.copy_(weight)
+        loaded.add("score.weight")
+        return loaded
+
+
+def _token_ids(model_config: ModelConfig, tokens: list[str]) -> list[int]:
+    """Vocabulary ids of ``classifier_from_token`` entries (each must be a single token)."""
+    from cenote.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_config)
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            encoded = tokenizer.encode(token, add_special_tokens=False).ids
+            if len(encoded) != 1:
+                raise ValueError(
+                    f"classifier_from_token entry {token!r} is {len(encoded)} tokens, not one"
+                )
+            token_id = encoded[0]
+        ids.append(token_id)
+    return ids
 
 
 class Qwen2ForSequenceClassification(LlamaForSequenceClassification):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Literal
 
 from cenote.errors import UnknownArchitectureError
 from cenote.tasks import SupportedTask
@@ -20,27 +21,41 @@ class ModelEntry:
 
 
 _ENCODER_TASKS: tuple[SupportedTask, ...] = ("embed", "token_embed")
-_DECODER_TASKS: tuple[SupportedTask, ...] = ("generate", "embed", "token_embed")
+# causal LMs also serve token_classify over their LM-head logits (process reward, STEP pooling)
+_DECODER_TASKS: tuple[SupportedTask, ...] = ("generate", "embed", "token_embed", "token_classify")
+_SEQ_CLS_TASKS: tuple[SupportedTask, ...] = ("classify", "token_classify")
 
 _REGISTRY: dict[str, ModelEntry] = {
     "BertModel": ModelEntry("bert", "BertModel", False, _ENCODER_TASKS),
     "RobertaModel": ModelEntry("bert", "RobertaModel", False, _ENCODER_TASKS),
     "XLMRobertaModel": ModelEntry("bert", "RobertaModel", False, _ENCODER_TASKS),
+    "BertForSequenceClassification": ModelEntry(
+        "bert_classifiers", "BertForSequenceClassification", False, ("classify",)
+    ),
+    "RobertaForSequenceClassification": ModelEntry(
+        "bert_classifiers", "RobertaForSequenceClassification", False, ("classify",)
+    ),
+    "XLMRobertaForSequenceClassification": ModelEntry(
+        "bert_classifiers", "RobertaForSequenceClassification", False, ("classify",)
+    ),
+    "BertForTokenClassification": ModelEntry(
+        "bert_classifiers", "BertForTokenClassification", False, ("token_classify",)
+    ),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "MistralForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "Qwen2ForCausalLM": ModelEntry("llama", "Qwen2ForCausalLM", True, _DECODER_TASKS),
     "Qwen3ForCausalLM": ModelEntry("llama", "Qwen3ForCausalLM", True, _DECODER_TASKS),
     "LlamaForSequenceClassification": ModelEntry(
-        "llama", "LlamaForSequenceClassification", True, ("classify",)
+        "llama", "LlamaForSequenceClassification", True, _SEQ_CLS_TASKS
     ),
     "MistralForSequenceClassification": ModelEntry(
-        "llama", "LlamaForSequenceClassification", True, ("classify",)
+        "llama", "LlamaForSequenceClassification", True, _SEQ_CLS_TASKS
     ),
     "Qwen2ForSequenceClassification": ModelEntry(
-        "llama", "Qwen2ForSequenceClassification", True, ("classify",)
+        "llama", "Qwen2ForSequenceClassification", True, _SEQ_CLS_TASKS
     ),
     "Qwen3ForSequenceClassification": ModelEntry(
-        "llama", "Qwen3ForSequenceClassification", True, ("classify",)
+        "llama", "Qwen3ForSequenceClassification", True, _SEQ_CLS_TASKS
     ),
 }
 
@@ -56,6 +71,29 @@ def get_entry(architecture: str) -> ModelEntry:
             f"{', '.join(supported_architectures())}"
         )
     return _REGISTRY[architecture]
+
+
+ConvertOption = Literal["auto", "embed", "classify"]
+
+
+def convert_architecture(architecture: str, convert: ConvertOption) -> str:
+    """The architecture that serves ``convert``: a causal LM becomes its sequence-classification
+    sibling for ``classify`` (pair it with ``classifier_from_token`` to build the head from
+    LM-head rows); causal LMs embed as they are (last-token pooling)."""
+    entry = get_entry(architecture)
+    if convert == "auto":
+        return architecture
+    if convert not in ("embed", "classify"):
+        raise ValueError(f"convert must be one of auto, embed, classify; got {convert!r}")
+    if convert in entry.tasks:
+        return architecture
+    target = architecture.replace("ForCausalLM", "ForSequenceClassification")
+    if convert == "classify" and target != architecture and target in _REGISTRY:
+        return target
+    raise UnknownArchitectureError(
+        f"architecture {architecture!r} cannot be converted to {convert!r}; it supports "
+        f"{', '.join(entry.tasks)}"
+    )
 
 
 def load_model_class(architecture: str) -> type:

@@ -1,15 +1,20 @@
-"""Build a model's pooler from its config and sentence-transformers metadata."""
+"""Build a model's poolers from its config and sentence-transformers metadata."""
 
 from __future__ import annotations
+
+import json
 
 import torch
 from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.models.loader import load_dense_weights
+from cenote.models.registry import ModelEntry
+from cenote.pooling.activation import classifier_activation
 from cenote.pooling.heads import DenseProjector, EmbeddingHead
 from cenote.pooling.methods import PoolingMethod
-from cenote.pooling.pooler import EmbeddingPooler
+from cenote.pooling.pooler import ClassifierPooler, DispatchPooler, EmbeddingPooler
+from cenote.tasks import PoolingTask
 
 
 def default_pooling_method(model_config: ModelConfig, is_causal: bool) -> PoolingMethod:
@@ -49,3 +54,50 @@ def build_embedding_pooler(
         EmbeddingHead(projector, default_normalize=normalize),
         output_size,
     )
+
+
+def _st_settings(model_config: ModelConfig) -> dict:
+    path = model_config.path / "config_sentence_transformers.json"
+    if model_config.gguf_file is not None or not path.exists():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def build_classifier_pooler(model_config: ModelConfig, model: nn.Module) -> ClassifierPooler:
+    """A model with a classification head (``compute_scores``) pools CLS (encoders with a
+    sequence head) or LAST (decoders); a token-classification head or a causal LM's LM head
+    (process reward over vocabulary logits) serves token tasks only."""
+    if hasattr(model, "compute_scores"):
+        num_labels = model.num_labels
+        activation = classifier_activation(
+            model_config.hf_config, num_labels, _st_settings(model_config)
+        )
+        method: PoolingMethod | None = None
+        if not getattr(model, "is_token_classifier", False):
+            method = "last" if model.is_causal else "cls"
+        return ClassifierPooler(method, model.compute_scores, activation, num_labels)
+    dtype = model_config.dtype
+
+    def lm_head_scores(hidden: torch.Tensor) -> torch.Tensor:
+        return model.compute_logits(hidden.to(dtype))  # [N, vocab] fp32
+
+    return ClassifierPooler(None, lm_head_scores, "softmax", model_config.vocab_size)
+
+
+def build_pooler(
+    model_config: ModelConfig, model: nn.Module, entry: ModelEntry
+) -> DispatchPooler | None:
+    """One pooler per pooling task the registry entry declares; None for generation only."""
+    poolers: dict[PoolingTask, nn.Module] = {}
+    if "embed" in entry.tasks or "token_embed" in entry.tasks:
+        embedding = build_embedding_pooler(model_config, model.hidden_size, entry.is_causal)
+        poolers.update({t: embedding for t in ("embed", "token_embed") if t in entry.tasks})
+    if "classify" in entry.tasks or "token_classify" in entry.tasks:
+        classifier = build_classifier_pooler(model_config, model)
+        served = classifier.get_supported_tasks()
+        for task in ("classify", "token_classify"):
+            if task in entry.tasks:
+                assert task in served, f"{entry.class_name} declares {task} but cannot serve it"
+                poolers[task] = classifier
+    return DispatchPooler(poolers) if poolers else None

@@ -1,14 +1,23 @@
-"""Pooler = method + head, per task. Pooling is a named pipeline: pool -> project -> truncate -> normalize."""
+"""Pooler = method + head, per task, written as named pipelines:
+
+- embeddings: pool -> project -> truncate -> normalize
+- classification: pool -> score -> (select columns) -> activate
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from cenote.pooling.activation import Activation, activate
 from cenote.pooling.heads import EmbeddingHead
 from cenote.pooling.metadata import PoolingMetadata
-from cenote.pooling.methods import SEQUENCE_METHODS, PoolingMethod, pool_all
+from cenote.pooling.methods import SEQUENCE_METHODS, PoolingMethod, pool_all, pool_step
 from cenote.tasks import PoolingTask
+
+ScoreFn = Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] fp32 -> [N, num_labels] fp32
 
 
 class EmbeddingPooler(nn.Module):
@@ -43,8 +52,100 @@ class EmbeddingPooler(nn.Module):
                 params = metadata.pooling_params[i]
                 if params.task == "token_embed":
                     outputs[i] = self.head(rows, params)  # [prompt_len, dimensions]
-        missing = [
-            p.task for p, out in zip(metadata.pooling_params, outputs, strict=True) if out is None
-        ]
-        assert not missing, f"tasks {missing} reached a pooler that cannot serve them"
+        _check_served(metadata, outputs)
         return outputs
+
+
+class ClassifierPooler(nn.Module):
+    """Serves ``classify`` (pool one row per prompt -> score -> activate) and ``token_classify``
+    (every row, or the STEP rows where token == step_tag_id -> score -> returned_token_ids
+    columns -> activate). ``score`` is the model's head; activation is per request."""
+
+    def __init__(
+        self,
+        method: PoolingMethod | None,  # sequence method for classify; None: token tasks only
+        score: ScoreFn,
+        activation: Activation,
+        num_labels: int,
+    ) -> None:
+        super().__init__()
+        if method is not None and method not in SEQUENCE_METHODS:
+            raise ValueError(
+                f"classifier pooling must be one of {sorted(SEQUENCE_METHODS)}, got {method!r}"
+            )
+        self.method = method
+        self.score = score
+        self.activation = activation
+        self.num_labels = num_labels
+
+    def get_supported_tasks(self) -> tuple[PoolingTask, ...]:
+        return ("classify", "token_classify") if self.method is not None else ("token_classify",)
+
+    def _activate(self, scores: torch.Tensor, use_activation: bool | None) -> torch.Tensor:
+        return scores if use_activation is False else activate(scores, self.activation)
+
+    def forward(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
+        tasks = [params.task for params in metadata.pooling_params]
+        outputs: list[torch.Tensor | None] = [None] * metadata.num_requests
+        if "classify" in tasks and self.method is not None:
+            # 1) pool  2) score  3) activate
+            pooled = SEQUENCE_METHODS[self.method](hidden, metadata)  # [num_requests, hidden]
+            scores = self.score(pooled)  # [num_requests, num_labels]
+            for i, params in enumerate(metadata.pooling_params):
+                if params.task == "classify":
+                    outputs[i] = self._activate(scores[i], params.use_activation)
+        if "token_classify" in tasks:
+            # 1) pool (all rows or STEP rows)  2) score  3) select columns  4) activate
+            for i, rows in enumerate(pool_step(hidden, metadata)):
+                params = metadata.pooling_params[i]
+                if params.task != "token_classify":
+                    continue
+                scores = self.score(rows)  # [num_rows, num_labels]
+                if params.returned_token_ids is not None:
+                    scores = scores[:, params.returned_token_ids]
+                outputs[i] = self._activate(scores, params.use_activation)
+        _check_served(metadata, outputs)
+        return outputs
+
+
+class DispatchPooler(nn.Module):
+    """One pooler per task; each request is routed to the pooler of its task."""
+
+    def __init__(self, poolers: dict[PoolingTask, nn.Module]) -> None:
+        super().__init__()
+        self.poolers = poolers
+
+    def get_supported_tasks(self) -> tuple[PoolingTask, ...]:
+        return tuple(self.poolers)
+
+    def forward(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
+        groups: dict[int, list[int]] = {}  # id(pooler) -> request indices
+        by_id: dict[int, nn.Module] = {}
+        for i, params in enumerate(metadata.pooling_params):
+            pooler = self.poolers[params.task]
+            groups.setdefault(id(pooler), []).append(i)
+            by_id[id(pooler)] = pooler
+        if len(groups) == 1:
+            return next(iter(by_id.values()))(hidden, metadata)
+        outputs: list[torch.Tensor | None] = [None] * metadata.num_requests
+        loc = metadata.start_loc
+        for key, indices in groups.items():
+            rows = torch.cat([hidden[loc[i] : loc[i + 1]] for i in indices])
+            start_loc = [0]
+            for i in indices:
+                start_loc.append(start_loc[-1] + loc[i + 1] - loc[i])
+            sub = PoolingMetadata(
+                start_loc=start_loc,
+                pooling_params=[metadata.pooling_params[i] for i in indices],
+                prompt_token_ids=[metadata.prompt_token_ids[i] for i in indices],
+            )
+            for i, result in zip(indices, by_id[key](rows, sub), strict=True):
+                outputs[i] = result
+        return outputs
+
+
+def _check_served(metadata: PoolingMetadata, outputs: list[torch.Tensor | None]) -> None:
+    missing = [
+        p.task for p, out in zip(metadata.pooling_params, outputs, strict=True) if out is None
+    ]
+    assert not missing, f"tasks {missing} reached a pooler that cannot serve them"

@@ -55,6 +55,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    num_prompt_logprobs_sent: int = 0  # prompt positions whose logprobs were returned (recompute)
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list = field(default_factory=list)  # chained hashes of full blocks
     stop_reason: int | str | None = None

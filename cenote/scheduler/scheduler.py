@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from cenote.config import CacheConfig, SchedulerConfig
-from cenote.engine.messages import EngineCoreOutput
+from cenote.engine.messages import EngineCoreOutput, LogprobsLists
 from cenote.kv_cache.manager import KVCacheManager
 from cenote.runner.output import ModelRunnerOutput
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -97,11 +97,13 @@ class Scheduler:
         return self.kv_cache_manager is not None and self.config.enable_chunked_prefill
 
     def _can_use_prefix_cache(self, request: Request) -> bool:
-        """Skipping cached tokens is safe unless the pooler must see every token's hidden state."""
+        """Skipping cached tokens is safe unless the pooler must see every token's hidden state
+        or the request asks for prompt logprobs (they need the logits of every prompt token)."""
         if self.kv_cache_manager is None:
             return False
-        params = request.pooling_params
-        return params is None or params.task in self.prefix_cacheable_tasks
+        if request.sampling_params is not None:
+            return request.sampling_params.prompt_logprobs is None
+        return request.pooling_params.task in self.prefix_cacheable_tasks
 
     def schedule(self) -> SchedulerOutput:
         """Pick the requests of the next step.
@@ -256,16 +258,19 @@ class Scheduler:
                         )
                     )
                 continue
-            output = self._update_generation(request, s.request_id, runner_output)
+            output = self._update_generation(request, s, runner_output)
             if output is not None:
                 outputs.append(output)
         return outputs
 
     def _update_generation(
-        self, request: Request, request_id: str, runner_output: ModelRunnerOutput
+        self, request: Request, s: ScheduledRequest, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutput | None:
+        request_id = s.request_id
         new_token_ids = runner_output.sampled_token_ids.get(request_id, [])
-        prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+        prompt_logprobs = self._new_prompt_logprobs(
+            request, s.start_position, runner_output.prompt_logprobs.get(request_id)
+        )
         if not new_token_ids and prompt_logprobs is None:
             return None
         request.append_output_token_ids(new_token_ids)
@@ -281,6 +286,24 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+    @staticmethod
+    def _new_prompt_logprobs(
+        request: Request, start_position: int, lists: LogprobsLists | None
+    ) -> LogprobsLists | None:
+        """The rows of ``lists`` (prompt positions from ``start_position``) not returned yet: a
+        preempted request recomputes its prompt, and its prompt logprobs are sent only once."""
+        if lists is None:
+            return None
+        skip = request.num_prompt_logprobs_sent - start_position
+        request.num_prompt_logprobs_sent = max(
+            request.num_prompt_logprobs_sent, start_position + len(lists.ranks)
+        )
+        if skip <= 0:
+            return lists
+        if skip >= len(lists.ranks):
+            return None
+        return LogprobsLists(lists.token_ids[skip:], lists.logprobs[skip:], lists.ranks[skip:])
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

@@ -1,0 +1,103 @@
+"""Served vs offline embedding throughput: ``cenote serve`` (default model) under an async client.
+
+    python benchmarks/serve_embed.py [--requests 256] [--concurrency 1 16 64] [--dtype auto]
+
+Starts its own server, sends 1-8 sentences per request at each concurrency, prints requests/s,
+sentences/s, p50/p99 latency, the in-process ``LLM.embed`` throughput on the same sentences (the
+ceiling) and the ratio served/offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.server_fixture import ServerProcess  # noqa: E402
+
+_WORDS = (
+    "the a model server request token vector cat dog river mountain quick brown fox jumps over "
+    "lazy engine batch latency throughput embedding sentence search query document answer"
+).split()
+
+
+def make_batches(num_requests: int, seed: int = 0) -> list[list[str]]:
+    rng = random.Random(seed)
+    return [
+        [" ".join(rng.choices(_WORDS, k=rng.randint(6, 24))) for _ in range(rng.randint(1, 8))]
+        for _ in range(num_requests)
+    ]
+
+
+async def run_load(url: str, batches: list[list[str]], concurrency: int) -> dict[str, float]:
+    latencies: list[float] = []
+    queue: asyncio.Queue = asyncio.Queue()
+    for batch in batches:
+        queue.put_nowait(batch)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                batch = queue.get_nowait()
+                start = time.perf_counter()
+                response = await client.post("/v1/embeddings", json={"input": batch})
+                response.raise_for_status()
+                latencies.append(time.perf_counter() - start)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "requests_per_s": len(batches) / elapsed,
+        "sentences_per_s": sum(len(b) for b in batches) / elapsed,
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+    }
+
+
+def offline_throughput(batches: list[list[str]], dtype: str) -> float:
+    """Sentences/s of in-process ``LLM.embed`` on all sentences at once (the ceiling)."""
+    from cenote import LLM
+
+    llm = LLM(dtype=dtype)
+    sentences = [s for b in batches for s in b]
+    llm.embed(sentences[:64], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    llm.embed(sentences, use_tqdm=False)
+    return len(sentences) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    batches = make_batches(args.requests)
+    server = ServerProcess("--dtype", args.dtype)
+    try:
+        asyncio.run(run_load(server.url, batches[:16], 4))  # warm-up
+        results = {c: asyncio.run(run_load(server.url, batches, c)) for c in args.concurrency}
+    finally:
+        server.stop()
+    ceiling = offline_throughput(batches, args.dtype)
+    print(f"offline LLM.embed: {ceiling:.1f} sentences/s ({args.dtype})")
+    print(f"{'conc':>5} {'req/s':>8} {'sent/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>6}")
+    for concurrency, r in results.items():
+        print(
+            f"{concurrency:>5} {r['requests_per_s']:>8.1f} {r['sentences_per_s']:>8.1f} "
+            f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['sentences_per_s'] / ceiling:>6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

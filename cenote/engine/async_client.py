@@ -1,0 +1,228 @@
+"""The front process's handle on an engine-core process: one asyncio queue per request.
+
+The client spawns the core, talks to it over two ipc:// zmq sockets, turns core outputs into user
+outputs with the ``OutputProcessor`` and routes them to the waiting request. If the core dies,
+every waiting request fails at once with ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+from tokenizers import Tokenizer
+
+from cenote.config import EngineConfig
+from cenote.engine.core_proc import run_engine_core
+from cenote.engine.input_processor import ModelCapabilities
+from cenote.engine.ipc import (
+    AbortRequests,
+    AddRequests,
+    CoreFailed,
+    CoreInput,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    make_encoder,
+    output_decoder,
+)
+from cenote.engine.messages import EngineCoreRequest, SchedulerStats
+from cenote.engine.output_processor import OutputProcessor
+from cenote.errors import EngineDeadError
+from cenote.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+StepCallback = Callable[[SchedulerStats | None, list[float]], None]
+
+
+class AsyncEngineClient:
+    """Owns the engine-core process. Use ``await start()``, then ``pool`` / ``generate``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        on_step: StepCallback | None = None,
+        on_dead: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.output_processor = OutputProcessor(tokenizer)
+        self.on_step = on_step
+        self.on_dead = on_dead
+        self.capabilities: ModelCapabilities | None = None
+        self.dead_reason: str | None = None  # set once the core is gone
+        self.queues: dict[str, asyncio.Queue] = {}  # user request id -> its outputs
+        self._encoder = make_encoder()
+        self._decoder = output_decoder()
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._closing = False
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> ModelCapabilities:
+        """Spawn the core and wait until its model is loaded."""
+        self._dir = Path(tempfile.mkdtemp(prefix="cenote-ipc-"))
+        self._context = zmq.asyncio.Context(io_threads=1)
+        self._inputs = self._context.socket(zmq.PUSH)
+        self._inputs.bind(f"ipc://{self._dir / 'in'}")
+        self._outputs = self._context.socket(zmq.PULL)
+        self._outputs.bind(f"ipc://{self._dir / 'out'}")
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(self.config, f"ipc://{self._dir / 'in'}", f"ipc://{self._dir / 'out'}"),
+            name="cenote-engine-core",
+            daemon=True,
+        )
+        process.start()
+        self._process = process
+        while not await self._outputs.poll(100):
+            if not process.is_alive():
+                raise EngineDeadError(f"the engine core exited with code {process.exitcode}")
+        message = self._decoder.decode(await self._outputs.recv())
+        if isinstance(message, CoreFailed):
+            raise EngineDeadError(f"the engine core failed to start: {message.message}")
+        assert isinstance(message, Ready)
+        self.capabilities = message.capabilities
+        loop = asyncio.get_running_loop()
+        loop.add_reader(process.sentinel, self._on_process_exit)
+        self._output_task = loop.create_task(self._output_loop())
+        return message.capabilities
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self._process is not None
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the core to exit, wait for it, clean up sockets."""
+        self._closing = True
+        process = self._process
+        if process is not None:
+            asyncio.get_running_loop().remove_reader(process.sentinel)
+            if process.is_alive():
+                self._send(Shutdown())
+                await asyncio.to_thread(process.join, timeout)
+                if process.is_alive():
+                    process.kill()
+        if getattr(self, "_output_task", None) is not None:
+            self._output_task.cancel()
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _on_process_exit(self) -> None:
+        process = self._process
+        asyncio.get_running_loop().remove_reader(process.sentinel)
+        process.join(0)
+        if not self._closing:
+            self.mark_dead(
+                f"the engine core process exited unexpectedly (exit code {process.exitcode})"
+            )
+
+    def mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("%s", reason)
+        for queue in self.queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        if self.on_dead is not None:
+            self.on_dead(reason)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def pool(
+        self,
+        requests: list[EngineCoreRequest],
+        prompts: list[str | None],
+        output_class: type[PoolingOutput],
+    ) -> list[PoolingRequestOutput]:
+        """Run pooling requests to completion; results in the order given."""
+        ids = [r.request_id for r in requests]
+        queues = [self._register(request_id) for request_id in ids]
+        for request, prompt in zip(requests, prompts, strict=True):
+            self.output_processor.add_pooling_request(request, prompt, output_class)
+        try:
+            self._send(AddRequests(requests=requests))
+            results = []
+            for queue in queues:
+                output = await queue.get()
+                if isinstance(output, Exception):
+                    raise output
+                if output.outputs.data is None:
+                    raise EngineDeadError(f"the engine core rejected request {output.request_id}")
+                results.append(output)
+            return results
+        finally:
+            self._release(ids)
+
+    async def generate(
+        self, request_id: str, prompt: str | None, children: list[EngineCoreRequest]
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream snapshots of one generation request (n children) until it finishes."""
+        queue = self._register(request_id)
+        self.output_processor.add_generation_request(request_id, prompt, children)
+        try:
+            self._send(AddRequests(requests=children))
+            while True:
+                output = await queue.get()
+                if isinstance(output, Exception):
+                    raise output
+                yield output
+                if output.finished:
+                    return
+        finally:
+            self._release([request_id])
+
+    def _register(self, request_id: str) -> asyncio.Queue:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self.queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        return queue
+
+    def _release(self, request_ids: list[str]) -> None:
+        """Forget finished requests; abort in the core those still running (client gone)."""
+        to_abort: list[str] = []
+        for request_id in request_ids:
+            self.queues.pop(request_id, None)
+            to_abort.extend(self.output_processor.abort(request_id))
+        if to_abort and self.dead_reason is None:
+            self._send(AbortRequests(request_ids=to_abort))
+
+    def _send(self, message: CoreInput) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self._inputs.send(self._encoder.encode(message), copy=False)
+
+    async def _output_loop(self) -> None:
+        while True:
+            message = self._decoder.decode(await self._outputs.recv())
+            if isinstance(message, CoreFailed):
+                self.mark_dead(f"the engine core failed: {message.message}")
+                return
+            if not isinstance(message, StepOutputs):
+                continue
+            outputs, to_abort = self.output_processor.process_outputs(message.outputs.outputs)
+            for output in outputs:
+                queue = self.queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+            if to_abort:
+                self._send(AbortRequests(request_ids=to_abort))
+            if self.on_step is not None:
+                self.on_step(message.outputs.stats, message.queue_times)

@@ -1,0 +1,134 @@
+"""``cenote serve [MODEL] ...``: the OpenAI-compatible server (also ``python -m cenote serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+
+from cenote.server.state import ServerOptions
+
+logger = logging.getLogger("cenote.serve")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cenote")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    defaults = ServerOptions()
+    serve.add_argument("model", nargs="?", default=None, help="model folder (default: MiniLM)")
+    serve.add_argument("--host", default=defaults.host)
+    serve.add_argument("--port", type=int, default=defaults.port)
+    serve.add_argument("--api-key", default=os.environ.get("CENOTE_API_KEY"))
+    serve.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--num-threads", type=int, default=None, help="engine torch threads")
+    serve.add_argument("--hf-overrides", type=json.loads, default=None, help="JSON object")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    serve.add_argument("--max-inputs", type=int, default=defaults.max_inputs)
+    serve.add_argument("--max-input-chars", type=int, default=defaults.max_input_chars)
+    serve.add_argument(
+        "--max-waiting-requests", type=int, default=defaults.max_waiting_requests,
+        help="requests queued beyond --max-num-seqs before answering 429",
+    )  # fmt: skip
+    serve.add_argument("--log-level", default="info")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    sys.exit(serve(args))
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run until SIGTERM/SIGINT (exit 0 after draining) or until the engine dies (exit 1)."""
+    # The front process only does HTTP, JSON and tokenization: keep it off the compute cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    import torch
+
+    torch.set_num_threads(1)
+    from cenote.server.app import build_app
+    from cenote.server.state import ServerState
+
+    options = ServerOptions(
+        host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        max_inputs=args.max_inputs, max_input_chars=args.max_input_chars,
+        max_waiting_requests=args.max_waiting_requests,
+    )  # fmt: skip
+    state = ServerState(_engine_config(args), options)
+    config = uvicorn.Config(
+        build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+        access_log=False, timeout_graceful_shutdown=None,
+    )  # fmt: skip
+    server = _Server(config)
+    exit_code = 0
+
+    def on_engine_dead(reason: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        delay = options.engine_dead_exit_delay_s
+        logger.error("engine core died (%s); exiting in %.1f s", reason, delay)
+        asyncio.get_running_loop().call_later(delay, setattr, server, "should_exit", True)
+
+    state.on_engine_dead = on_engine_dead
+    server.run()
+    if state.client.dead_reason is not None:
+        exit_code = 1
+    return exit_code
+
+
+def _engine_config(args: argparse.Namespace):
+    from cenote.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from cenote.models.registry import get_entry
+
+    model_config = ModelConfig.from_path(
+        args.model, args.dtype, args.max_model_len, args.hf_overrides, args.served_model_name
+    )
+    entry = get_entry(model_config.architecture)
+    max_tokens = args.max_num_batched_tokens or max(8192, model_config.max_model_len)
+    return EngineConfig(
+        model=model_config,
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_tokens,
+            max_num_seqs=args.max_num_seqs,
+            enable_chunked_prefill=entry.is_causal,
+        ),
+        cache=CacheConfig(),
+        num_threads=args.num_threads,
+        seed=args.seed,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, except a handled SIGTERM/SIGINT ends in a normal exit (code 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        handled = (signal.SIGINT, signal.SIGTERM)
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""BERT / RoBERTa / XLM-R with Hugging Face classification heads.
+
+The trunk returns every token's hidden state; the pooler picks the rows (CLS for sequence
+heads, all rows for token heads) and calls ``compute_scores``, which runs the head in fp32:
+
+- BertForSequenceClassification: ``classifier(tanh(pooler.dense(h_cls)))``
+- RobertaForSequenceClassification: ``out_proj(tanh(dense(h_<s>)))``
+- BertForTokenClassification: ``classifier(h)`` for every token
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cenote.config import ModelConfig
+from cenote.models.bert import BertModel, RobertaModel
+
+
+def num_labels_of(config: dict[str, Any]) -> int:
+    labels = config.get("id2label")
+    return len(labels) if labels else int(config.get("num_labels", 2))
+
+
+def _linear_fp32(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    bias = None if linear.bias is None else linear.bias.float()
+    return F.linear(x.float(), linear.weight.float(), bias)
+
+
+class BertForSequenceClassification(BertModel):
+    """BERT trunk + HF pooler (dense + tanh on CLS) + ``classifier``."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        self.num_labels = num_labels_of(self.config)
+        self.classifier = nn.Linear(self.hidden_size, self.num_labels)
+
+    def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``pooled [N, hidden]`` (CLS rows) -> fp32 logits ``[N, num_labels]``."""
+        return _linear_fp32(torch.tanh(_linear_fp32(pooled, self.pooler_dense)), self.classifier)
+
+    def required_parameters(self) -> set[str]:
+        return super().required_parameters() | {"pooler_dense.weight", "pooler_dense.bias"}
+
+
+class RobertaClassificationHead(nn.Module):
+    """HF's RobertaClassificationHead: ``out_proj(tanh(dense(x)))`` (dropout off)."""
+
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear_fp32(torch.tanh(_linear_fp32(x, self.dense)), self.out_proj)
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """RoBERTa / XLM-R trunk + classification head on ``<s>``."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        self.num_labels = num_labels_of(self.config)
+        self.classifier = RobertaClassificationHead(self.hidden_size, self.num_labels)
+
+    def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.classifier(pooled)  # [N, num_labels] fp32
+
+
+class BertForTokenClassification(BertModel):
+    """BERT trunk + a per-token ``classifier`` (named-entity style labels)."""
+
+    is_token_classifier = True
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        self.num_labels = num_labels_of(self.config)
+        self.classifier = nn.Linear(self.hidden_size, self.num_labels)
+
+    def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _linear_fp32(hidden, self.classifier)  # [num_tokens, num_labels] fp32

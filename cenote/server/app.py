@@ -1,0 +1,200 @@
+"""The FastAPI app: front door (auth, body bound, readiness, metrics) and the small routes."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import cenote
+from cenote.server import routes_generate, routes_pooling
+from cenote.server.errors import (
+    APIError,
+    BadRequest,
+    PayloadTooLarge,
+    Unauthorized,
+    Unavailable,
+    api_error_response,
+    install_error_handlers,
+)
+from cenote.server.protocol import DetokenizeRequest, TokenizeRequest
+from cenote.server.state import ServerState, get_state
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+_OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        start = asyncio.create_task(_start_engine(state))
+        try:
+            yield
+        finally:
+            start.cancel()
+            await state.client.shutdown()
+
+    app = FastAPI(title="cenote", version=cenote.__version__, lifespan=lifespan)
+    app.state.cenote = state
+    install_error_handlers(app)
+    app.include_router(router)
+    app.include_router(routes_pooling.router)
+    app.include_router(routes_generate.router)
+    app.add_middleware(FrontDoor, state=state)
+    return app
+
+
+async def _start_engine(state: ServerState) -> None:
+    try:
+        await state.start()
+    except Exception as e:
+        logger.error("engine failed to start: %s", e)
+        state.client.mark_dead(str(e))
+        return
+    options = state.options
+    logger.info(
+        "cenote ready on http://%s:%d serving %s; supported tasks: %s",
+        options.host, options.port, state.model_name, ", ".join(state.supported_tasks),
+    )  # fmt: skip
+
+
+class FrontDoor:
+    """ASGI middleware: API key, body size, readiness, and requests-by-endpoint metrics."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            error = self._check(scope)
+            if error is not None:
+                await api_error_response(error)(scope, receive, send_with_status)
+            else:
+                await self.app(scope, self._bounded(receive), send_with_status)
+        finally:
+            self.state.metrics.record_request(self._endpoint(scope, path), status)
+
+    def _check(self, scope: Scope) -> APIError | None:
+        path = scope["path"]
+        headers = dict(scope["headers"])
+        api_key = self.state.options.api_key
+        if api_key and path not in _OPEN_PATHS:
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
+        limit = self.state.options.max_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return PayloadTooLarge(
+                f"the request body has {int(length)} bytes, the limit is {limit}"
+            )
+        if scope["method"] == "POST" and not self.state.ready:
+            reason = self.state.client.dead_reason
+            if reason is not None:
+                return Unavailable(f"the engine is not running: {reason}")
+            return Unavailable("the server is starting; the model is not loaded yet")
+        return None
+
+    def _bounded(self, receive: Receive) -> Receive:
+        limit, received = self.state.options.max_body_bytes, 0
+
+        async def bounded_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
+            return message
+
+        return bounded_receive
+
+    @staticmethod
+    def _endpoint(scope: Scope, path: str) -> str:
+        route = scope.get("route")
+        return getattr(route, "path", None) or ("unknown" if route is None else path)
+
+
+# ---- small routes ---------------------------------------------------------------------------
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    state = get_state(raw_request)
+    if not state.ready:
+        reason = state.client.dead_reason or "starting"
+        raise Unavailable(f"not ready: {reason}")
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": cenote.__version__})
+
+
+@router.get("/v1/models")
+async def list_models(raw_request: Request) -> JSONResponse:
+    state = get_state(raw_request)
+    model = {
+        "id": state.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "cenote",
+        "root": str(state.model_config.path),
+        "max_model_len": state.model_config.max_model_len,
+        "supported_tasks": list(state.supported_tasks),
+    }
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    return Response(get_state(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, raw_request: Request) -> JSONResponse:
+    state = get_state(raw_request)
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise BadRequest("pass exactly one of 'prompt' and 'messages'", param="prompt")
+    text = body.prompt
+    if body.messages is not None:
+        text = state.render_chat(body.messages, body.add_generation_prompt)
+    ids = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids
+    return JSONResponse(
+        {"tokens": ids, "count": len(ids), "max_model_len": state.model_config.max_model_len}
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, raw_request: Request) -> JSONResponse:
+    state = get_state(raw_request)
+    state.check_model(body.model)
+    vocab = state.model_config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})", "tokens")
+    return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=True)})

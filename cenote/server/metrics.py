@@ -1,0 +1,72 @@
+"""Prometheus metrics of one server (its own registry, so tests can start many servers)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from cenote.engine.messages import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+        self.requests = Counter(
+            "cenote_http_requests", "HTTP requests by endpoint and status",
+            ["endpoint", "status"], registry=r,
+        )  # fmt: skip
+        self.num_waiting = Gauge(
+            "cenote_num_requests_waiting", "Requests waiting in the scheduler",
+            ["model_name"], registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.num_running = Gauge(
+            "cenote_num_requests_running", "Requests running in the engine",
+            ["model_name"], registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.kv_cache_usage = Gauge(
+            "cenote_kv_cache_usage_perc", "Fraction of KV cache blocks in use",
+            ["model_name"], registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.scheduled_tokens = Histogram(
+            "cenote_scheduled_tokens_per_step", "Tokens scheduled in one engine step",
+            ["model_name"], buckets=_TOKEN_BUCKETS, registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "cenote_prompt_tokens", "Prompt tokens processed", ["model_name"], registry=r
+        ).labels(**labels)
+        self.generation_tokens = Counter(
+            "cenote_generation_tokens", "Tokens generated", ["model_name"], registry=r
+        ).labels(**labels)
+        self.queue_time = Histogram(
+            "cenote_request_queue_time_seconds", "Time from arrival to first scheduling",
+            ["model_name"], buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.ttft = Histogram(
+            "cenote_time_to_first_token_seconds", "Time to the first output (token or pooled)",
+            ["model_name"], buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.e2e = Histogram(
+            "cenote_e2e_request_latency_seconds", "Time from arrival to the last output",
+            ["model_name"], buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(**labels)  # fmt: skip
+
+    def record_step(self, stats: SchedulerStats | None, queue_times: list[float]) -> None:
+        """Called by the engine client for every message from the core."""
+        if stats is not None:
+            self.num_waiting.set(stats.num_waiting)
+            self.num_running.set(stats.num_running)
+            self.kv_cache_usage.set(stats.kv_cache_usage)
+            if stats.num_scheduled_tokens:
+                self.scheduled_tokens.observe(stats.num_scheduled_tokens)
+        for seconds in queue_times:
+            self.queue_time.observe(max(seconds, 0.0))
+
+    def record_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,189 @@
+"""What every route shares: the engine client, the input processor, options and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from cenote.config import EngineConfig
+from cenote.engine.async_client import AsyncEngineClient
+from cenote.engine.chat import render_chat
+from cenote.engine.input_processor import InputProcessor, PromptType
+from cenote.engine.tokenizer import load_chat_template, load_tokenizer
+from cenote.server.errors import BadRequest, ModelNotFound, Overloaded, Unavailable
+from cenote.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Server-side bounds and access control (the engine's own limits live in EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 16 << 20  # request body size
+    max_inputs: int = 2048  # inputs (prompts) per request
+    max_input_chars: int = 1 << 20  # characters per input text
+    max_waiting_requests: int = 4096  # beyond running ones; more answers 429
+    engine_dead_exit_delay_s: float = 2.0  # keep answering 503 this long before exiting
+
+
+class ServerState:
+    def __init__(self, engine_config: EngineConfig, options: ServerOptions) -> None:
+        self.engine_config = engine_config
+        self.model_config = engine_config.model
+        self.options = options
+        self.model_name = self.model_config.served_model_name
+        self.metrics = ServerMetrics(self.model_name)
+        self.tokenizer = load_tokenizer(self.model_config)
+        self.chat_template = load_chat_template(self.model_config)
+        self.client = AsyncEngineClient(
+            engine_config, self.tokenizer, on_step=self.metrics.record_step, on_dead=self._on_dead
+        )
+        self.input_processor: InputProcessor | None = None  # set once the core is ready
+        self.on_engine_dead: Callable[[str], None] | None = None
+
+    async def start(self) -> None:
+        capabilities = await self.client.start()
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer, capabilities)
+
+    def _on_dead(self, reason: str) -> None:
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(reason)
+
+    @property
+    def ready(self) -> bool:
+        return self.input_processor is not None and self.client.dead_reason is None
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        caps = self.client.capabilities
+        return caps.supported_tasks if caps is not None else ()
+
+    # ---- checks shared by routes ------------------------------------------------------------
+
+    def processor(self) -> InputProcessor:
+        if self.client.dead_reason is not None:
+            raise Unavailable(f"the engine is not running: {self.client.dead_reason}")
+        if self.input_processor is None:
+            raise Unavailable("the server is starting; the model is not loaded yet")
+        return self.input_processor
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+            )
+
+    def check_task(self, task: str) -> None:
+        if task not in self.supported_tasks:
+            raise BadRequest(
+                f"task {task!r} is not supported by {self.model_name}; "
+                f"it supports {', '.join(self.supported_tasks)}"
+            )
+
+    def check_capacity(self, num_new: int) -> None:
+        """429 when the requests beyond ``max_num_seqs`` would pass ``max_waiting_requests``."""
+        in_flight = self.client.output_processor.num_unfinished
+        max_running = self.engine_config.scheduler.max_num_seqs
+        waiting = in_flight + num_new - max_running
+        if waiting > self.options.max_waiting_requests:
+            raise Overloaded(
+                f"the server is overloaded: {in_flight} requests in flight, {num_new} more would "
+                f"exceed {max_running} running + {self.options.max_waiting_requests} waiting",
+                headers={"Retry-After": "1"},
+            )
+
+    def prompts_from(
+        self, input_: Any, messages: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> list[PromptType]:
+        """Normalize ``input`` (text, texts, token ids, token-id lists) or chat ``messages``."""
+        if (input_ is None) == (messages is None):
+            raise BadRequest("pass exactly one of 'input' and 'messages'", param="input")
+        if messages is not None:
+            return [self.render_chat(messages, add_generation_prompt)]
+        if isinstance(input_, str):
+            prompts: list[PromptType] = [input_]
+        elif input_ and all(isinstance(x, int) for x in input_):
+            prompts = [{"prompt_token_ids": list(input_)}]
+        elif input_ and all(isinstance(x, list) for x in input_):
+            prompts = [{"prompt_token_ids": list(ids)} for ids in input_]
+        else:
+            prompts = list(input_)
+        self.check_prompts(prompts)
+        return prompts
+
+    def check_prompts(self, prompts: list[PromptType]) -> None:
+        limit, char_limit = self.options.max_inputs, self.options.max_input_chars
+        if not prompts:
+            raise BadRequest("input is empty: pass at least one text or token-id list", "input")
+        if len(prompts) > limit:
+            raise BadRequest(
+                f"got {len(prompts)} inputs, the limit per request is {limit}", param="input"
+            )
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise BadRequest(f"input {i} is an empty string", param="input")
+                if len(prompt) > char_limit:
+                    raise BadRequest(
+                        f"input {i} has {len(prompt)} characters, the limit is {char_limit}",
+                        param="input",
+                    )
+            elif not prompt.get("prompt_token_ids"):
+                raise BadRequest(f"input {i} is an empty token list", param="input")
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, **variables: Any
+    ) -> str:
+        return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
+
+
+def new_request_id(prefix: str, given: str | None = None) -> str:
+    return given or f"{prefix}-{uuid.uuid4().hex}"
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.cenote
+
+
+def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Cancel a non-streaming handler when its client disconnects (its requests get aborted)."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        request: Request = kwargs["raw_request"]
+        handler_task = asyncio.ensure_future(handler(*args, **kwargs))
+        disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
+        done, _ = await asyncio.wait(
+            {handler_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED
+        )
+        if handler_task in done:
+            disconnect_task.cancel()
+            return handler_task.result()
+        handler_task.cancel()
+        logger.info("client disconnected; request aborted")
+        try:
+            await handler_task
+        except asyncio.CancelledError:
+            pass
+        return None
+
+    return wrapper
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,239 @@
+"""Test helpers: tiny random encoder models written as Hugging Face folders, and text corpora.
+
+Everything here is deterministic (seeded) and small enough for a 2-core CI box.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+# ---- tiny encoder models --------------------------------------------------------------------
+
+TINY_VOCAB_SIZE = 128
+TINY_MAX_POSITIONS = 128
+_TINY_ENCODER = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=TINY_MAX_POSITIONS,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+# family -> (config class, model class, config overrides, special tokens in id order)
+ENCODER_FAMILIES: dict[str, tuple[str, str, dict, list[str]]] = {
+    "bert": (
+        "BertConfig",
+        "BertModel",
+        dict(pad_token_id=0),
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+    ),
+    "roberta": (
+        "RobertaConfig",
+        "RobertaModel",
+        dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1),
+        ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+    ),
+    "xlm-roberta": (
+        "XLMRobertaConfig",
+        "XLMRobertaModel",
+        dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1),
+        ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+    ),
+}
+NUM_SPECIAL_TOKENS = 5  # ids below this are special in every family above
+
+
+def write_word_tokenizer(folder: Path, special_tokens: list[str], vocab_size: int) -> None:
+    """A WordLevel ``tokenizer.json`` over ``special_tokens + w5 ... w{vocab_size-1}`` with a
+    BERT-style ``CLS $A SEP`` post-processor (the first special is CLS-like, the fourth SEP-like
+    for BERT; ``<s>``/``</s>`` for RoBERTa)."""
+    vocab = {tok: i for i, tok in enumerate(special_tokens)}
+    vocab.update({f"w{i}": i for i in range(len(special_tokens), vocab_size)})
+    unk = next(t for t in special_tokens if "unk" in t.lower())
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    if special_tokens[0] == "[PAD]":
+        cls, sep = "[CLS]", "[SEP]"
+    else:
+        cls, sep = "<s>", "</s>"
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
+    )
+    tokenizer.add_special_tokens(special_tokens)
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def make_encoder(folder: Path, family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """Save a seeded random ``family`` encoder (fp32) with a tokenizer into ``folder``.
+
+    Every parameter (LayerNorm weights and biases included) gets noise added, so a weight that
+    is loaded into the wrong place, or not at all, changes the output.
+    """
+    config_class, model_class, family_overrides, specials = ENCODER_FAMILIES[family]
+    config = getattr(transformers, config_class)(
+        **{**_TINY_ENCODER, **family_overrides, **overrides}
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config).float().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    write_word_tokenizer(folder, specials, config.vocab_size)
+    return model
+
+
+ST_POOLING_MODES = {
+    "cls": "pooling_mode_cls_token",
+    "mean": "pooling_mode_mean_tokens",
+    "last": "pooling_mode_lasttoken",
+}
+
+
+def with_st_pooling(source: Path, target: Path, method: str, normalize: bool = False) -> Path:
+    """A copy of model folder ``source`` with sentence-transformers metadata selecting ``method``
+    (``modules.json`` + ``1_Pooling/config.json``, plus a Normalize module if asked)."""
+    shutil.copytree(source, target)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    if normalize:
+        modules.append(
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
+        )
+    (target / "modules.json").write_text(json.dumps(modules))
+    hidden = json.loads((source / "config.json").read_text())["hidden_size"]
+    pooling = {"word_embedding_dimension": hidden}
+    pooling.update({mode: name == method for name, mode in ST_POOLING_MODES.items()})
+    (target / "1_Pooling").mkdir()
+    (target / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return target
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of the given lengths, free of special (and padding) ids."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(NUM_SPECIAL_TOKENS, TINY_VOCAB_SIZE, (n,), generator=generator).tolist()
+        for n in lengths
+    ]
+
+
+def embed_matrix(llm, texts: list, **kwargs) -> torch.Tensor:
+    """cenote embeddings of ``texts`` as one fp32 matrix [num_texts, dim]."""
+    return torch.stack([out.outputs.data.float() for out in llm.embed(texts, **kwargs)])
+
+
+# ---- text corpora ---------------------------------------------------------------------------
+
+PROSE = [
+    # Jane Austen, Pride and Prejudice (1813)
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be "
+    "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
+    "surrounding families, that he is considered the rightful property of some one or other of "
+    "their daughters.",
+    # Herman Melville, Moby-Dick (1851)
+    "Call me Ishmael. Some years ago, never mind how long precisely, having little or no money "
+    "in my purse, and nothing particular to interest me on shore, I thought I would sail about a "
+    "little and see the watery part of the world. It is a way I have of driving off the spleen "
+    "and regulating the circulation.",
+    # Charles Dickens, A Tale of Two Cities (1859)
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the "
+    "age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the "
+    "season of Light, it was the season of Darkness, it was the spring of hope, it was the "
+    "winter of despair.",
+    # Lewis Carroll, Alice's Adventures in Wonderland (1865)
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having "
+    "nothing to do: once or twice she had peeped into the book her sister was reading, but it "
+    "had no pictures or conversations in it, 'and what is the use of a book,' thought Alice "
+    "'without pictures or conversations?'",
+]
+
+_LONG = " ".join(PROSE)  # ~230 words: > 256 tokens once doubled
+
+PARITY_TEXTS: list[str] = [
+    # short
+    "hello",
+    "Hi!",
+    "a",
+    "OK",
+    "The cat sat on the mat.",
+    "What is the capital of France?",
+    "Paris is the capital of France.",
+    "search_query: best pizza near me",
+    "I love this product, it works great.",
+    "This is terrible; I want a refund.",
+    # punctuation and casing
+    "!!!???...,,,;;;:::",
+    "Wait -- what?! (No way...) [really] {yes}",
+    "\"Quoted\" 'single' `backtick` «guillemets» „low-high“",
+    "ALL CAPS SENTENCE WITH SHOUTING",
+    "mIxEd CaSe wOrDs ArE wEiRd",
+    "   leading and trailing spaces   ",
+    "tabs\tand\nnewlines\r\nmixed",
+    "e-mail: someone@example.com, url: https://example.org/a?b=c&d=e#f",
+    "#hashtag @mention $TICKER %percent ^caret &amp *star",
+    "a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p",
+    # unicode
+    "Café crème brûlée à la française, naïve façade.",
+    "Zürich, München, Köln und Düsseldorf liegen in Europa.",
+    "¿Dónde está la biblioteca? ¡Aquí está!",
+    "Москва — столица России.",
+    "東京は日本の首都です。",
+    "北京是中国的首都。",
+    "서울은 한국의 수도입니다.",
+    "القاهرة هي عاصمة مصر.",
+    "नई दिल्ली भारत की राजधानी है।",
+    "Emoji test 😀🎉👍🏽 🇫🇷 ❤️",
+    "Math: ∀x∈ℝ, x² ≥ 0; ∑ᵢ aᵢ = ∫ f(x) dx ≈ π",
+    "Ελληνικά: Αθήνα είναι η πρωτεύουσα.",
+    # numbers
+    "1234567890",
+    "3.14159265358979323846264338327950288419716939937510",
+    "The meeting is on 2024-03-15 at 14:30 UTC+01:00.",
+    "Invoice #00042: total $1,299.99 (incl. 20% VAT), due in 30 days.",
+    "0x1F 0b1010 0o777 1e-10 6.022e23 -273.15",
+    "Call +1 (555) 010-9999 or +44 20 7946 0958.",
+    # code
+    "def add(a, b):\n    return a + b",
+    "for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }",
+    "SELECT name, COUNT(*) FROM users WHERE age > 21 GROUP BY name ORDER BY 2 DESC;",
+    '{"key": [1, 2, 3], "nested": {"a": null, "b": true}}',
+    '<div class="container"><p>Hello &amp; welcome</p></div>',
+    "git commit -m 'fix: handle None in parser' && git push origin main",
+    "import torch; x = torch.randn(3, 4) @ torch.randn(4, 5)",
+    # medium prose
+    *PROSE,
+    "Machine learning models map inputs to outputs by learning parameters from data, and "
+    "embedding models map sentences to vectors so that similar meanings land close together.",
+    "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly.",
+    # long: more than 256 tokens (truncated by sentence-transformers to 256)
+    _LONG + " " + _LONG,
+    (_LONG + " ") * 4,
+    " ".join(reversed(_LONG.split())) + " " + _LONG,
+    ("token " * 600).strip(),
+    "x = 1\n" * 300,
+]

@@ -1,0 +1,121 @@
+"""LLM.score: cross-encoders vs sentence-transformers CrossEncoder, bi-encoders vs
+SentenceTransformer.similarity, late interaction vs numpy MaxSim; input-shape errors."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pool_factories import make_encoder_classifier, set_config
+
+from cenote import LLM
+from cenote.errors import InvalidInputError
+
+ATOL = 1e-4
+QUERY = "the cat sat on the mat"
+DOCUMENTS = ["a cat sat", "dog", "the mat w40 w41 w42 w43 yes no", "query document"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT cross-encoder saved by sentence-transformers (activation_fn: Sigmoid)."""
+    from sentence_transformers import CrossEncoder
+
+    raw = tmp_path_factory.mktemp("raw")
+    make_encoder_classifier(raw, "bert", "ForSequenceClassification", num_labels=1)
+    saved = tmp_path_factory.mktemp("cross_encoder")
+    CrossEncoder(str(raw), device="cpu").save(str(saved))
+    return saved
+
+
+@pytest.fixture(scope="module")
+def cross_llm(cross_encoder_dir: Path) -> LLM:
+    return LLM(str(cross_encoder_dir), dtype="float32", num_threads=1)
+
+
+def _predict(path: Path, pairs: list[tuple[str, str]], **kwargs) -> np.ndarray:
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(str(path), device="cpu", **kwargs).predict(pairs, batch_size=8)
+
+
+def test_cross_encoder_matches_sentence_transformers(cross_encoder_dir, cross_llm) -> None:
+    expected = _predict(cross_encoder_dir, [(QUERY, d) for d in DOCUMENTS])
+    outputs = cross_llm.score(QUERY, DOCUMENTS)  # 1 -> N
+    got = np.array([o.outputs.score for o in outputs])
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    zipped = cross_llm.score([QUERY, "dog"], ["a cat sat", "yes"])  # N -> N
+    expected = _predict(cross_encoder_dir, [(QUERY, "a cat sat"), ("dog", "yes")])
+    np.testing.assert_allclose([o.outputs.score for o in zipped], expected, atol=ATOL, rtol=0)
+    single = cross_llm.score("dog", "a cat sat")  # 1 -> 1
+    assert len(single) == 1
+
+
+def test_cross_encoder_identity_activation_from_config(
+    cross_encoder_dir, cross_llm, tmp_path
+) -> None:
+    import shutil
+
+    folder = tmp_path / "identity"
+    shutil.copytree(cross_encoder_dir, folder)
+    (folder / "config_sentence_transformers.json").unlink()
+    set_config(folder, sentence_transformers={"activation_fn": "torch.nn.modules.linear.Identity"})
+    expected = _predict(folder, [(QUERY, d) for d in DOCUMENTS])
+    llm = LLM(str(folder), dtype="float32", num_threads=1)
+    got = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS)]
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    with_sigmoid = [o.outputs.score for o in cross_llm.score(QUERY, DOCUMENTS)]
+    np.testing.assert_allclose(1 / (1 + np.exp(-np.array(got))), with_sigmoid, atol=ATOL)
+
+
+def test_pair_tokens_and_document_truncation(cross_llm) -> None:
+    [full] = cross_llm.score("cat dog", "w50 w51 w52 w53")
+    assert full.prompt_token_ids == [2, 9, 10, 3, 50, 51, 52, 53, 3]  # [CLS] q [SEP] d [SEP]
+    [cut] = cross_llm.score("cat dog", "w50 w51 w52 w53", max_tokens_per_doc=2)
+    assert cut.prompt_token_ids == [2, 9, 10, 3, 50, 51, 3]
+    [cut] = cross_llm.score("cat dog", "w50 w51 w52 w53", truncate_prompt_tokens=6)
+    assert cut.prompt_token_ids == [2, 9, 10, 3, 50, 3]  # the document is cut, not the query
+    with pytest.raises(InvalidInputError, match="the query has 2 tokens"):
+        cross_llm.score("cat dog", "w50", truncate_prompt_tokens=4)
+
+
+def test_score_shape_errors(cross_llm) -> None:
+    with pytest.raises(InvalidInputError, match="got 2 queries and 3 documents"):
+        cross_llm.score(["a", "b"], ["c", "d", "e"])
+    with pytest.raises(InvalidInputError, match="empty list"):
+        cross_llm.score("a", [])
+
+
+def test_bi_encoder_matches_sentence_transformers_similarity(llm_fp32, st_model) -> None:
+    queries = ["What is the capital of France?", "How do cats sleep?"]
+    documents = ["Paris is the capital of France.", "Cats sleep most of the day."]
+    expected = st_model.similarity(
+        st_model.encode(queries, convert_to_tensor=True),
+        st_model.encode(documents, convert_to_tensor=True),
+    ).diagonal()
+    got = torch.tensor([o.outputs.score for o in llm_fp32.score(queries, documents)])
+    torch.testing.assert_close(got, expected.float(), atol=ATOL, rtol=0)
+
+
+def test_late_interaction_maxsim_matches_numpy(tmp_path: Path) -> None:
+    ref = make_encoder_classifier(tmp_path, "bert", "ForSequenceClassification").bert
+    set_config(tmp_path, architectures=["BertModel"], score_type="late_interaction")
+    llm = LLM(str(tmp_path), dtype="float32", num_threads=1)
+    outputs = llm.score(QUERY, DOCUMENTS)
+
+    def token_vectors(text: str) -> np.ndarray:
+        ids = llm.tokenizer.encode(text).ids
+        with torch.no_grad():
+            hidden = ref(torch.tensor([ids])).last_hidden_state[0].numpy()
+        return hidden / np.linalg.norm(hidden, axis=-1, keepdims=True)
+
+    q = token_vectors(QUERY)
+    for document, out in zip(DOCUMENTS, outputs, strict=True):
+        expected = (q @ token_vectors(document).T).max(axis=1).sum()
+        assert abs(out.outputs.score - expected) < ATOL * len(q)

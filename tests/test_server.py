@@ -1,0 +1,215 @@
+"""The HTTP server, through real clients against a real ``cenote serve`` process."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.server_fixture import ServerProcess
+
+API_KEY = "test-key"
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+SENTENCES = ["The cat sits on the mat.", "A quick brown fox.", "Embeddings are vectors."]
+LONG_TEXT = "word " * 300  # > 256 tokens, the model's limit
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ServerProcess(
+        "--dtype", "float32", "--num-threads", "1", "--max-inputs", "512",
+        "--max-body-bytes", "2000000", api_key=API_KEY,
+    )  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from cenote import LLM
+
+    return LLM(dtype="float32", num_threads=1)
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not in metrics"
+    return float(match.group(1))
+
+
+def test_health_version_models(server, http):
+    assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
+    assert http.get("/version").json()["version"]
+    models = http.get("/v1/models").json()["data"]
+    assert models[0]["id"] == MODEL and models[0]["supported_tasks"] == ["embed", "token_embed"]
+
+
+def test_api_key_enforced(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.get(f"{server.url}/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_openai_embeddings_float_and_base64_match_offline(server, offline):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    floats = client.embeddings.create(model=MODEL, input=SENTENCES, encoding_format="float")
+    raw = client.embeddings.create(model=MODEL, input=SENTENCES, encoding_format="base64")
+    expected = np.stack([o.outputs.data.numpy() for o in offline.embed(SENTENCES)])
+    got_float = np.array([d.embedding for d in floats.data], dtype=np.float32)
+    got_b64 = np.stack(
+        [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in raw.data]
+    )
+    np.testing.assert_allclose(got_float, got_b64, atol=1e-7)
+    np.testing.assert_allclose(got_float, expected, atol=1e-5)
+    num_tokens = sum(len(o.prompt_token_ids) for o in offline.embed(SENTENCES))
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == num_tokens
+
+
+def test_embeddings_token_id_inputs(http, offline):
+    ids = offline.embed(SENTENCES[:2])
+    token_lists = [o.prompt_token_ids for o in ids]
+    one = http.post("/v1/embeddings", json={"input": token_lists[0]}).json()
+    many = http.post("/v1/embeddings", json={"input": token_lists}).json()
+    np.testing.assert_allclose(one["data"][0]["embedding"], ids[0].outputs.data, atol=1e-5)
+    assert [d["index"] for d in many["data"]] == [0, 1]
+    np.testing.assert_allclose(many["data"][1]["embedding"], ids[1].outputs.data, atol=1e-5)
+
+
+def test_pooling_route(http):
+    body = http.post("/pooling", json={"input": SENTENCES[:2]}).json()
+    assert body["object"] == "list" and body["data"][0]["object"] == "pooling"
+    assert len(body["data"][0]["data"]) == 384
+    tokens = http.post("/pooling", json={"input": "hello world", "task": "token_embed"}).json()
+    assert len(tokens["data"][0]["data"]) == tokens["usage"]["prompt_tokens"]
+
+
+def test_tokenize_detokenize_round_trip(http):
+    tokens = http.post("/tokenize", json={"prompt": "hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == 4 and tokens["max_model_len"] == 256
+    text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == "hello world"
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "message"),
+    [
+        ("/v1/embeddings", {"input": "x", "model": "nope"}, 404, "does not exist"),
+        ("/v1/embeddings", {"input": [SENTENCES[0], LONG_TEXT]}, 400, "prompt 1 has 302 tokens"),
+        ("/v1/embeddings", {"input": ["a"] * 513}, 400, "513 inputs, the limit per request is 512"),
+        ("/v1/embeddings", {"input": []}, 400, "input is empty"),
+        ("/v1/embeddings", {"input": ["a", ""]}, 400, "input 1 is an empty string"),
+        ("/v1/embeddings", {"input": [1, 10**6]}, 400, "outside the vocabulary (size 30522)"),
+        ("/v1/embeddings", {"input": "a", "dimensions": 8}, 400, "embedding size is 384"),
+        ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 999}, 400, "between 1 and 256"),
+        ("/v1/embeddings", {"messages": [{"role": "user", "content": "a"}]}, 400, "chat template"),
+        ("/v1/embeddings", {"input": 5}, 422, "input"),
+        ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}, 422, "encoding_format"),
+        ("/v1/completions", {"prompt": "a"}, 400, "it supports embed, token_embed"),
+        ("/pooling", {"input": "a", "task": "classify"}, 400, "it supports embed, token_embed"),
+        ("/v1/embeddings", {"input": "a" * 2_100_000}, 413, "limit is 2000000"),
+    ],
+)
+def test_bad_inputs(http, route, body, status, message):
+    response = http.post(route, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["code"] == status
+
+
+def test_truncation_makes_long_input_fit(http):
+    body = {"input": LONG_TEXT, "truncate_prompt_tokens": -1}
+    assert http.post("/v1/embeddings", json=body).json()["usage"]["prompt_tokens"] == 256
+
+
+def test_metrics(http):
+    http.post("/v1/embeddings", json={"input": "count me"})
+    text = http.get("/metrics").text
+    assert 'cenote_http_requests_total{endpoint="/v1/embeddings",status="200"}' in text
+    for name in (
+        "cenote_num_requests_running",
+        "cenote_num_requests_waiting",
+        "cenote_prompt_tokens_total",
+        "cenote_scheduled_tokens_per_step_count",
+        "cenote_request_queue_time_seconds_count",
+        "cenote_time_to_first_token_seconds_count",
+        "cenote_e2e_request_latency_seconds_count",
+    ):
+        assert _metric(text, name) >= 0
+    assert _metric(text, "cenote_prompt_tokens_total") > 0
+
+
+def test_disconnecting_client_is_aborted(server, http):
+    body = {"input": [LONG_TEXT] * 512, "truncate_prompt_tokens": -1}  # seconds of work
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/embeddings", json=body, headers=server.headers, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        text = http.get("/metrics").text
+        running = _metric(text, "cenote_num_requests_running")
+        waiting = _metric(text, "cenote_num_requests_waiting")
+        if running == waiting == 0:
+            break
+        time.sleep(0.1)
+    assert running == waiting == 0
+    assert http.post("/v1/embeddings", json={"input": "still alive"}).status_code == 200
+
+
+def test_sigterm_drains_in_flight_requests(server):
+    """Last test of the module: it stops the shared server."""
+    body = {"input": [LONG_TEXT] * 64, "truncate_prompt_tokens": -1}
+    result = {}
+
+    def send() -> None:
+        result["response"] = httpx.post(
+            f"{server.url}/v1/embeddings", json=body, headers=server.headers, timeout=60
+        )
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    time.sleep(0.3)
+    server.process.send_signal(signal.SIGTERM)
+    thread.join(60)
+    assert result["response"].status_code == 200
+    assert len(result["response"].json()["data"]) == 64
+    assert server.process.wait(30) == 0
+
+
+def test_engine_death_fails_fast_and_exits_nonzero():
+    server = ServerProcess("--dtype", "float32", "--num-threads", "1")
+    try:
+        body = {"input": [LONG_TEXT] * 512, "truncate_prompt_tokens": -1}
+        result = {}
+
+        def send() -> None:
+            result["response"] = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        os.kill(server.engine_pid(), signal.SIGKILL)
+        thread.join(10)
+        assert time.monotonic() - killed_at < 5
+        response = result["response"]
+        assert response.status_code == 500 and "engine" in response.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        assert server.process.wait(20) != 0
+    finally:
+        server.stop()
