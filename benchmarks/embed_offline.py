@@ -123,8 +123,8 @@ def main() -> None:
     header = f"{'dtype':9} {'engine':8} {'seconds':>8} {'sent/s':>9} {'tok/s':>10} {'ratio':>6}"
     rows = [header, "-" * len(header)]
     for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        st.to(dtype)
+        # a fresh fp32 load per dtype: a bf16 round trip would change the fp32 weights
+        st = SentenceTransformer(path, device="cpu").eval().to(getattr(torch, dtype_name))
         torch.set_num_threads(args.threads)
         theirs = run_st(st, texts, args.batch_size)
         llm = LLM(path, dtype=dtype_name, num_threads=args.threads)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from cenote.models.registry import ConvertOption, convert_architecture, get_entry
 from cenote.models.st_config import SentenceTransformerConfig, load_st_config
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -170,3 +171,57 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     num_threads: int | None = None  # torch threads of the engine core; None = all cores
     seed: int = 0
+
+
+def build_engine_config(
+    model: str | os.PathLike | None = None,
+    *,
+    dtype: DTypeName | torch.dtype = "auto",
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int = 256,
+    max_model_len: int | None = None,
+    hf_overrides: dict[str, Any] | None = None,
+    num_threads: int | None = None,
+    enable_prefix_caching: bool = True,
+    block_size: int = 16,
+    kv_cache_memory_bytes: int | None = None,
+    num_gpu_blocks_override: int | None = None,
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
+    served_model_name: str | None = None,
+    seed: int = 0,
+    convert: ConvertOption = "auto",
+) -> EngineConfig:
+    """The whole tree from the user's flat options (``LLM(**kwargs)`` and ``cenote serve``).
+
+    ``convert`` swaps the architecture for the sibling that serves the task (a causal LM becomes
+    a sequence classifier); the token budget defaults to at least one whole prompt."""
+    # 1) the model, converted when asked  2) limits that depend on it  3) the tree
+    model_config = ModelConfig.from_path(
+        model, dtype, max_model_len, hf_overrides, served_model_name
+    )
+    converted = convert_architecture(model_config.architecture, convert)
+    if converted != model_config.architecture:
+        overrides = {**(hf_overrides or {}), "architectures": [converted]}
+        model_config = ModelConfig.from_path(
+            model, dtype, max_model_len, overrides, served_model_name
+        )
+    entry = get_entry(model_config.architecture)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(8192, model_config.max_model_len)
+    return EngineConfig(
+        model=model_config,
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            policy=scheduling_policy,
+            enable_chunked_prefill=entry.is_causal,
+        ),
+        cache=CacheConfig(
+            block_size=block_size,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        num_threads=num_threads,
+        seed=seed,
+    )

@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-threads", type=int, default=None, help="engine torch threads")
     serve.add_argument("--hf-overrides", type=json.loads, default=None, help="JSON object")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    serve.add_argument(
+        "--convert", default="auto", choices=["auto", "embed", "classify"],
+        help="serve a causal LM as an embedding model or a classifier",
+    )  # fmt: skip
     serve.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     serve.add_argument("--max-inputs", type=int, default=defaults.max_inputs)
     serve.add_argument("--max-input-chars", type=int, default=defaults.max_input_chars)
@@ -95,24 +100,20 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _engine_config(args: argparse.Namespace):
-    from cenote.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from cenote.models.registry import get_entry
+    from cenote.config import build_engine_config
 
-    model_config = ModelConfig.from_path(
-        args.model, args.dtype, args.max_model_len, args.hf_overrides, args.served_model_name
-    )
-    entry = get_entry(model_config.architecture)
-    max_tokens = args.max_num_batched_tokens or max(8192, model_config.max_model_len)
-    return EngineConfig(
-        model=model_config,
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=max_tokens,
-            max_num_seqs=args.max_num_seqs,
-            enable_chunked_prefill=entry.is_causal,
-        ),
-        cache=CacheConfig(),
+    return build_engine_config(
+        args.model,
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        hf_overrides=args.hf_overrides,
         num_threads=args.num_threads,
+        scheduling_policy=args.scheduling_policy,
+        served_model_name=args.served_model_name,
         seed=args.seed,
+        convert=args.convert,
     )
 
 

@@ -9,15 +9,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cenote.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cenote.config import ModelConfig, build_engine_config
+from cenote.engine import scoring
 from cenote.engine.chat import render_chat
 from cenote.engine.core import EngineCore
 from cenote.engine.input_processor import InputProcessor, PromptType
 from cenote.engine.output_processor import OutputProcessor
 from cenote.engine.tokenizer import load_chat_template, load_tokenizer
-from cenote.entrypoints import scoring
-from cenote.errors import UnsupportedTaskError
-from cenote.models.registry import ConvertOption, convert_architecture, get_entry
+from cenote.models.registry import ConvertOption
 from cenote.outputs import (
     ClassificationOutput,
     EmbeddingOutput,
@@ -59,35 +58,24 @@ class LLM:
         seed: int = 0,
         convert: ConvertOption = "auto",
     ) -> None:
-        model_config = ModelConfig.from_path(
-            model, dtype, max_model_len, hf_overrides, served_model_name
-        )
-        converted = convert_architecture(model_config.architecture, convert)
-        if converted != model_config.architecture:
-            overrides = {**(hf_overrides or {}), "architectures": [converted]}
-            model_config = ModelConfig.from_path(
-                model, dtype, max_model_len, overrides, served_model_name
-            )
-        entry = get_entry(model_config.architecture)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(8192, model_config.max_model_len)
-        self.config = EngineConfig(
-            model=model_config,
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                policy=scheduling_policy,
-                enable_chunked_prefill=entry.is_causal,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
+        self.config = build_engine_config(
+            model,
+            dtype=dtype,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            hf_overrides=hf_overrides,
             num_threads=num_threads,
+            enable_prefix_caching=enable_prefix_caching,
+            block_size=block_size,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            scheduling_policy=scheduling_policy,
+            served_model_name=served_model_name,
             seed=seed,
+            convert=convert,
         )
+        model_config = self.config.model
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(model_config)
         self.input_processor = InputProcessor(
@@ -180,24 +168,11 @@ class LLM:
         Classifiers score pairs as cross-encoders; embedding models compare embeddings (cosine);
         late-interaction models compare token embeddings (MaxSim)."""
         pairs = scoring.pair_texts(text_1, text_2)
-        caps = self.engine.capabilities
-        if caps.score_type == "cross_encoder":
-            return scoring.cross_encoder_scores(
-                self, pairs, truncate_prompt_tokens, max_tokens_per_doc, instruction, use_tqdm
-            )
-        if caps.score_type is None:
-            raise UnsupportedTaskError(
-                f"task 'score' is not supported by {self.config.model.served_model_name}; "
-                f"it supports {', '.join(self.supported_tasks)}"
-            )
-        return scoring.embedding_scores(
-            self,
-            pairs,
-            caps.score_type == "late_interaction",
-            truncate_prompt_tokens,
-            max_tokens_per_doc,
-            use_tqdm,
+        plan = scoring.plan_scores(
+            self.input_processor, pairs, truncate_prompt_tokens, max_tokens_per_doc, instruction
         )
+        outputs = self._submit_pooling(plan.prompts, plan.params, plan.output_class, use_tqdm)
+        return plan.scores(outputs)
 
     def _with_labels(self, outputs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
         names = self.engine.capabilities.label_names

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cenote
-from cenote.server import routes_generate, routes_pooling
+from cenote.server import routes_generate, routes_pooling, routes_scoring
 from cenote.server.errors import (
     APIError,
     BadRequest,
@@ -48,6 +48,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(routes_pooling.router)
+    app.include_router(routes_scoring.router)
     app.include_router(routes_generate.router)
     app.add_middleware(FrontDoor, state=state)
     return app

@@ -25,6 +25,7 @@ class _PoolingBody(_Body):
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # -1 = the model's limit
     normalize: bool | None = None
+    use_activation: bool | None = None  # classifier activation; None = the model's default
     add_special_tokens: bool = True
     priority: int = 0
     request_id: str | None = None
@@ -38,6 +39,45 @@ class PoolingRequest(_PoolingBody):
     """POST /pooling: the raw pooler output of ``task``."""
 
     task: PoolingTask | None = None  # None: embed when supported, else the model's first task
+
+
+class ClassificationRequest(_PoolingBody):
+    """POST /classify (vLLM): class probabilities per input."""
+
+
+class _ScoringBody(_Body):
+    model: str | None = None
+    truncate_prompt_tokens: int | None = None  # -1 = the model's limit; cuts documents first
+    max_tokens_per_doc: int | None = None  # cut each document to this many tokens
+    use_activation: bool | None = None  # cross-encoders: sigmoid etc.; None = the model's default
+    instruction: str | None = None  # for rerankers with a prompt template (Qwen3-Reranker)
+    user: str | None = None
+    priority: int = 0
+    request_id: str | None = None
+
+
+class ScoreRequest(_ScoringBody):
+    """POST /score, /v1/score (vLLM): 1 -> 1, 1 -> N or N -> N pairs."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankDocument(_Body):
+    text: str
+
+
+class RerankRequest(_ScoringBody):
+    """POST /rerank, /v1/rerank (Jina) and /v2/rerank (Cohere)."""
+
+    query: str
+    documents: list[str | RerankDocument]  # strings or {"text": ...}
+    top_n: int | None = None  # None or 0: every document
+    return_documents: bool | None = None  # None: yes on /rerank and /v1/rerank, no on /v2
+
+    @property
+    def document_texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
 class StreamOptions(_Body):

@@ -1,4 +1,5 @@
-"""POST /v1/embeddings (OpenAI shape) and POST /pooling (vLLM shape)."""
+"""POST /v1/embeddings (OpenAI shape) and POST /pooling (vLLM shape); the pooling helpers the
+scoring routes share."""
 
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ router = APIRouter()
 @with_cancellation
 async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
-    outputs, request_id = await _pool(state, body, "embed", "embd", EmbeddingOutput)
+    outputs, request_id = await pool(state, body, "embed", "embd", EmbeddingOutput)
     data = [
         {"object": "embedding", "index": i, "embedding": _encode(out.outputs.data, body)}
         for i, out in enumerate(outputs)
     ]
-    return _respond(state, request_id, data, outputs)
+    return list_response(state, request_id, data, outputs)
 
 
 @router.post("/pooling")
@@ -36,12 +37,12 @@ async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Res
 async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
     task = body.task or _default_pooling_task(state)
-    outputs, request_id = await _pool(state, body, task, "pool", PoolingOutput)
+    outputs, request_id = await pool(state, body, task, "pool", PoolingOutput)
     data = [
         {"object": "pooling", "index": i, "data": _encode(out.outputs.data, body)}
         for i, out in enumerate(outputs)
     ]
-    return _respond(state, request_id, data, outputs)
+    return list_response(state, request_id, data, outputs)
 
 
 def _default_pooling_task(state: ServerState) -> PoolingTask:
@@ -49,9 +50,10 @@ def _default_pooling_task(state: ServerState) -> PoolingTask:
     return "embed" if "embed" in tasks or not tasks else tasks[0]
 
 
-async def _pool(
+async def pool(
     state: ServerState, body: _PoolingBody, task: PoolingTask, prefix: str, output_class: type
 ) -> tuple[list[PoolingRequestOutput], str]:
+    """Run ``task`` on each input of ``body``; outputs in input order, and the request id."""
     # 1) validate: model, task, inputs, options
     processor = state.processor()
     state.check_model(body.model)
@@ -62,6 +64,7 @@ async def _pool(
         task=task,
         dimensions=body.dimensions,
         normalize=body.normalize,
+        use_activation=body.use_activation,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
     processor.check_pooling_params(params)
@@ -76,11 +79,7 @@ async def _pool(
         )
         for i, tok in enumerate(tokenized)
     ]
-    started = time.monotonic()
-    outputs = await state.client.pool(requests, [t.prompt for t in tokenized], output_class)
-    elapsed = time.monotonic() - started
-    state.metrics.ttft.observe(elapsed)
-    state.metrics.e2e.observe(elapsed)
+    outputs = await state.run_pooling(requests, [t.prompt for t in tokenized], output_class)
     return outputs, request_id
 
 
@@ -92,11 +91,10 @@ def _encode(data: torch.Tensor, body: _PoolingBody) -> list | str:
     return data.tolist()
 
 
-def _respond(
+def list_response(
     state: ServerState, request_id: str, data: list[dict], outputs: list[PoolingRequestOutput]
 ) -> Response:
     num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    state.metrics.prompt_tokens.inc(num_tokens)
     body = {
         "id": request_id,
         "object": "list",
@@ -105,4 +103,8 @@ def _respond(
         "data": data,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
+    return json_response(body)
+
+
+def json_response(body: dict) -> Response:
     return Response(msgspec.json.encode(body), media_type="application/json")

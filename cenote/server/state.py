@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from cenote.config import EngineConfig
 from cenote.engine.async_client import AsyncEngineClient
 from cenote.engine.chat import render_chat
 from cenote.engine.input_processor import InputProcessor, PromptType
+from cenote.engine.messages import EngineCoreRequest
 from cenote.engine.tokenizer import load_chat_template, load_tokenizer
+from cenote.outputs import PoolingOutput, PoolingRequestOutput
 from cenote.server.errors import BadRequest, ModelNotFound, Overloaded, Unavailable
 from cenote.server.metrics import ServerMetrics
 
@@ -143,10 +146,40 @@ class ServerState:
             elif not prompt.get("prompt_token_ids"):
                 raise BadRequest(f"input {i} is an empty token list", param="input")
 
+    def check_texts(self, texts: list[str], param: str) -> None:
+        """Scoring inputs: at most ``max_inputs`` texts of at most ``max_input_chars`` each."""
+        limit, char_limit = self.options.max_inputs, self.options.max_input_chars
+        if len(texts) > limit:
+            raise BadRequest(
+                f"got {len(texts)} texts in {param}, the limit per request is {limit}", param
+            )
+        for i, text in enumerate(texts):
+            if len(text) > char_limit:
+                raise BadRequest(
+                    f"{param}[{i}] has {len(text)} characters, the limit is {char_limit}", param
+                )
+
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, **variables: Any
     ) -> str:
         return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
+
+    # ---- running ------------------------------------------------------------------------------
+
+    async def run_pooling(
+        self,
+        requests: list[EngineCoreRequest],
+        prompts: list[str | None],
+        output_class: type[PoolingOutput],
+    ) -> list[PoolingRequestOutput]:
+        """Run pooling requests in the core, in order; records latency and prompt tokens."""
+        started = time.monotonic()
+        outputs = await self.client.pool(requests, prompts, output_class)
+        elapsed = time.monotonic() - started
+        self.metrics.ttft.observe(elapsed)
+        self.metrics.e2e.observe(elapsed)
+        self.metrics.prompt_tokens.inc(sum(len(out.prompt_token_ids) for out in outputs))
+        return outputs
 
 
 def new_request_id(prefix: str, given: str | None = None) -> str:

@@ -1,0 +1,138 @@
+"""POST /classify, /score + /v1/score (vLLM shapes), /rerank + /v1/rerank (Jina shape) and
+/v2/rerank (Cohere shape). Scoring is planned by ``cenote.engine.scoring``, as in ``LLM.score``:
+cross-encoders read pairs, bi-encoders compare embeddings (cosine), late interaction MaxSim."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from cenote.engine.scoring import pair_texts, plan_scores
+from cenote.outputs import ClassificationOutput, PoolingRequestOutput
+from cenote.server.errors import BadRequest
+from cenote.server.protocol import ClassificationRequest, RerankRequest, ScoreRequest, _ScoringBody
+from cenote.server.routes_pooling import json_response, list_response, pool
+from cenote.server.state import ServerState, get_state, new_request_id, with_cancellation
+
+router = APIRouter()
+
+
+@router.post("/classify")
+@with_cancellation
+async def create_classify(body: ClassificationRequest, raw_request: Request) -> Response:
+    state = get_state(raw_request)
+    outputs, request_id = await pool(state, body, "classify", "classify", ClassificationOutput)
+    label_names = state.client.capabilities.label_names
+    data = []
+    for i, out in enumerate(outputs):
+        out.outputs.label_names = label_names
+        data.append(
+            {
+                "index": i,
+                "label": out.outputs.label,
+                "probs": out.outputs.probs,
+                "num_classes": out.outputs.num_classes,
+            }
+        )
+    return list_response(state, request_id, data, outputs)
+
+
+@router.post("/score")
+@router.post("/v1/score")
+@with_cancellation
+async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
+    state = get_state(raw_request)
+    scores, outputs, request_id = await _score(state, body, body.text_1, body.text_2, "score")
+    data = [
+        {"index": i, "object": "score", "score": out.outputs.score} for i, out in enumerate(scores)
+    ]
+    return list_response(state, request_id, data, outputs)
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@with_cancellation
+async def create_rerank(body: RerankRequest, raw_request: Request) -> Response:
+    """Jina's shape: ``{id, model, usage, results: [{index, relevance_score, document}]}``."""
+    state = get_state(raw_request)
+    results, num_tokens, request_id = await _rerank(state, body, return_documents=True)
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    return json_response(
+        {"id": request_id, "model": state.model_name, "usage": usage, "results": results}
+    )
+
+
+@router.post("/v2/rerank")
+@with_cancellation
+async def create_rerank_v2(body: RerankRequest, raw_request: Request) -> Response:
+    """Cohere v2's shape: ``{id, results: [{index, relevance_score, document?}], meta}``."""
+    state = get_state(raw_request)
+    results, num_tokens, request_id = await _rerank(state, body, return_documents=False)
+    meta = {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    return json_response(
+        {
+            "id": request_id,
+            "model": state.model_name,
+            "results": results,
+            "meta": meta,
+            "usage": usage,
+        }
+    )
+
+
+async def _rerank(
+    state: ServerState, body: RerankRequest, return_documents: bool
+) -> tuple[list[dict], int, str]:
+    """Results by relevance (best first, ties in input order), the top ``top_n``; the number of
+    prompt tokens run; the request id."""
+    texts = body.document_texts
+    if not texts:
+        raise BadRequest("rerank needs at least one document, got 0", param="documents")
+    if body.top_n is not None and body.top_n < 0:
+        raise BadRequest(f"top_n must be 0 (all) or positive, got {body.top_n}", param="top_n")
+    scores, outputs, request_id = await _score(state, body, body.query, texts, "rerank")
+    order = sorted(range(len(texts)), key=lambda i: -scores[i].outputs.score)
+    if body.top_n:
+        order = order[: body.top_n]
+    if body.return_documents is not None:
+        return_documents = body.return_documents
+    results = []
+    for i in order:
+        result: dict = {"index": i, "relevance_score": scores[i].outputs.score}
+        if return_documents:
+            result["document"] = {"text": texts[i]}
+        results.append(result)
+    return results, sum(len(out.prompt_token_ids) for out in outputs), request_id
+
+
+async def _score(
+    state: ServerState,
+    body: _ScoringBody,
+    text_1: str | list[str],
+    text_2: str | list[str],
+    prefix: str,
+) -> tuple[list[PoolingRequestOutput], list[PoolingRequestOutput], str]:
+    """Pair scores in pair order, the outputs of the requests run, and the request id."""
+    # 1) validate: model, inputs  2) plan and tokenize (here, in the front process)  3) run
+    processor = state.processor()
+    state.check_model(body.model)
+    pairs = pair_texts(text_1, text_2)
+    names = ("text_1", "text_2") if prefix == "score" else ("query", "documents")
+    state.check_texts([q for q, _ in pairs], names[0])
+    state.check_texts([d for _, d in pairs], names[1])
+    plan = plan_scores(
+        processor, pairs, body.truncate_prompt_tokens, body.max_tokens_per_doc,
+        body.instruction, body.use_activation,
+    )  # fmt: skip
+    state.check_capacity(len(plan.prompts))
+    request_id = new_request_id(prefix, body.request_id)
+    requests = [
+        processor.make_request(
+            f"{request_id}-{i}", prompt, pooling_params=params, priority=body.priority
+        )
+        for i, (prompt, params) in enumerate(zip(plan.prompts, plan.params, strict=True))
+    ]
+    prompts = [p.prompt for p in plan.prompts]
+    outputs = await state.run_pooling(requests, prompts, plan.output_class)
+    return plan.scores(outputs), outputs, request_id
