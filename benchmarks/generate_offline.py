@@ -46,7 +46,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def make_prompts(count: int) -> list[str]:
     prompts = [form.format(topic) for form in _FORMS for topic in _TOPICS]
-    return [prompts[i % len(prompts)] + ("" if i < len(prompts) else f" ({i})") for i in range(count)]
+    return [
+        prompts[i % len(prompts)] + ("" if i < len(prompts) else f" ({i})") for i in range(count)
+    ]
 
 
 def bench_cenote(path, dtype: str, prompts: list[str], max_tokens: int, threads: int) -> dict:
@@ -165,7 +167,9 @@ def main() -> None:
             f"  transformers {theirs['tokens_per_s']:8.1f} output tok/s  "
             f"({theirs['seconds']:.2f} s, load {theirs['load_s']:.1f} s, left padding)"
         )
-        print(f"  ratio cenote / transformers: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
+        print(
+            f"  ratio cenote / transformers: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x"
+        )
         ttft = ours["ttft_all"]
         print(
             f"  cenote TTFT: {args.num_prompts} prompts at once: mean "

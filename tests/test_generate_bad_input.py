@@ -93,8 +93,11 @@ def test_one_bad_prompt_rejects_the_batch_before_any_work(llm, baseline) -> None
         ({"prompt_token_ids": [3, 999]}, InvalidInputError, "token id 999 at position 1"),
         ({"prompt_token_ids": [3, -1]}, InvalidInputError, "token id -1 at position 1"),
         ({"prompt_token_ids": "w3 w4"}, TypeError, "must be a list of ints"),
-        ({"prompt_token_ids": list(range(3, 3 + MAX_MODEL_LEN + 1))}, InvalidInputError,
-         f"has {MAX_MODEL_LEN + 1} tokens"),
+        (
+            {"prompt_token_ids": list(range(3, 3 + MAX_MODEL_LEN + 1))},
+            InvalidInputError,
+            f"has {MAX_MODEL_LEN + 1} tokens",
+        ),
         (42, TypeError, "expected a string or a dict"),
         ({"text": "w3"}, TypeError, "expected a string or a dict"),
     ],

@@ -101,8 +101,15 @@ def test_preemption_gives_identical_outputs(folder, roomy, prefix_caching: bool)
 
 def test_preemption_keeps_seeded_sampling_and_prompt_logprobs(folder, roomy) -> None:
     params = [
-        SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=MAX_NEW,
-                       ignore_eos=True, logprobs=2, prompt_logprobs=2)
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.9,
+            seed=100 + i,
+            max_tokens=MAX_NEW,
+            ignore_eos=True,
+            logprobs=2,
+            prompt_logprobs=2,
+        )
         for i in range(len(PROMPTS))
     ]
     refs = roomy.generate(token_prompts(PROMPTS), params, use_tqdm=False)

@@ -33,7 +33,12 @@ def greedy(llm) -> list:
 
 def _sampled(seed: int | None, **extra) -> SamplingParams:
     return SamplingParams(
-        temperature=1.0, top_p=0.95, top_k=50, seed=seed, max_tokens=MAX_NEW, ignore_eos=True,
+        temperature=1.0,
+        top_p=0.95,
+        top_k=50,
+        seed=seed,
+        max_tokens=MAX_NEW,
+        ignore_eos=True,
         **extra,
     )
 
@@ -95,7 +100,10 @@ def test_stop_string_trimmed(llm, greedy, include: bool) -> None:
     ref = greedy[1]
     word, at = _stop_word(ref)
     params = SamplingParams(
-        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, stop=["never-there", word],
+        temperature=0.0,
+        max_tokens=MAX_NEW,
+        ignore_eos=True,
+        stop=["never-there", word],
         include_stop_str_in_output=include,
     )
     (out,) = llm.generate(token_prompts(PROMPTS[1:2]), params, use_tqdm=False)
@@ -172,7 +180,10 @@ def test_min_tokens_bans_stop_token_ids(llm, greedy) -> None:
     stop_id = ref.token_ids[0]
     min_tokens = 6
     params = SamplingParams(
-        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[stop_id],
+        temperature=0.0,
+        max_tokens=MAX_NEW,
+        ignore_eos=True,
+        stop_token_ids=[stop_id],
         min_tokens=min_tokens,
     )
     (out,) = llm.generate(token_prompts(PROMPTS[1:2]), params, use_tqdm=False)
