@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -20,9 +21,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int64 KV slot of each new token
     block_tables: list[list[int]] | None = None  # [num_requests] KV block ids of each request
     block_size: int = 16  # tokens per KV block
-    kv_caches: list[torch.Tensor] | None = (
-        None  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
-    )
+    # per layer, shaped by models.layers.attention.kv_cache_shape
+    kv_caches: list[torch.Tensor] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -32,6 +32,61 @@ class AttentionMetadata:
     def query_lens(self) -> list[int]:
         loc = self.query_start_loc
         return [loc[i + 1] - loc[i] for i in range(len(loc) - 1)]
+
+    @cached_property
+    def paged(self) -> PagedPlan:
+        """Index tensors of the paged path, built once per step and shared by every layer."""
+        return PagedPlan.build(self)
+
+
+@dataclass
+class PrefillRow:
+    """A request computing more than one token this step (a prompt or a chunk of one)."""
+
+    rows: slice  # its rows in the flat token stream
+    blocks: torch.Tensor  # [num_blocks] int64 its KV blocks
+    seq_len: int  # context length after this step
+    mask: torch.Tensor | None  # [query_len, seq_len] bool when cached context precedes the chunk
+
+
+@dataclass
+class PagedPlan:
+    """Decode rows (one new token each) attend together; prefill rows one by one."""
+
+    decode_rows: torch.Tensor | None  # [num_decode] row of each decode request in the stream
+    all_decode: bool  # every request decodes, in order: rows are the whole stream
+    decode_tables: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with block 0s
+    decode_mask: torch.Tensor | None  # [num_decode, max_blocks * block_size] bool, True = attend
+    prefills: list[PrefillRow]
+
+    @classmethod
+    def build(cls, md: AttentionMetadata) -> PagedPlan:
+        lens = md.query_lens
+        decode = [i for i, n in enumerate(lens) if n == 1]
+        prefills = []
+        for i, n in enumerate(lens):
+            if n == 1:
+                continue
+            seq_len = md.seq_lens[i]
+            mask = None
+            if n != seq_len:  # a chunk after cached context: causal, bottom-right aligned
+                positions = torch.arange(seq_len - n, seq_len).unsqueeze(1)
+                mask = torch.arange(seq_len).unsqueeze(0) <= positions
+            blocks = torch.tensor(md.block_tables[i], dtype=torch.long)
+            prefills.append(
+                PrefillRow(
+                    slice(md.query_start_loc[i], md.query_start_loc[i + 1]), blocks, seq_len, mask
+                )
+            )
+        if not decode:
+            return cls(None, False, None, None, prefills)
+        tables = [md.block_tables[i] for i in decode]
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)
+        seq_lens = torch.tensor([md.seq_lens[i] for i in decode])
+        mask = torch.arange(width * md.block_size).unsqueeze(0) < seq_lens.unsqueeze(1)
+        rows = torch.tensor([md.query_start_loc[i] for i in decode], dtype=torch.long)
+        return cls(rows, len(decode) == len(lens), padded, mask, prefills)
 
 
 _CONTEXT: ContextVar[AttentionMetadata | None] = ContextVar("cenote_forward_context", default=None)

@@ -14,6 +14,7 @@ import transformers
 
 from cenote.config import ModelConfig
 from cenote.forward_context import AttentionMetadata, forward_context
+from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 
 ATOL = 1e-4
@@ -140,7 +141,7 @@ def test_paged_prefill_chunks_and_decode_match_transformers(causal_pair: Pair) -
     prompts = _prompts([11, 7])
     expected = [_reference_logits(causal_pair.theirs, p) for p in prompts]
     kv_caches = [
-        torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, ours.num_kv_heads, ours.head_dim)
+        torch.zeros(kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, ours.num_kv_heads, ours.head_dim))
         for _ in range(ours.num_layers)
     ]
     for step in STEPS:

@@ -11,6 +11,7 @@ from cenote.config import EngineConfig
 from cenote.engine.input_processor import ModelCapabilities, ScoreType
 from cenote.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from cenote.kv_cache.manager import KVCacheManager, num_blocks_for_memory
+from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 from cenote.models.registry import get_entry
 from cenote.pooling.builder import build_pooler
@@ -89,7 +90,7 @@ class EngineCore:
                 cache.block_size,
                 self.config.model.dtype,
             )
-        shape = (2, num_blocks, cache.block_size, model.num_kv_heads, model.head_dim)
+        shape = kv_cache_shape(num_blocks, cache.block_size, model.num_kv_heads, model.head_dim)
         kv_caches = [
             torch.zeros(shape, dtype=self.config.model.dtype) for _ in range(model.num_layers)
         ]

@@ -10,6 +10,7 @@ from torch import nn
 from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention
+from cenote.models.layers.linear import TrunkLinear
 
 
 class BertEmbeddings(nn.Module):
@@ -43,13 +44,13 @@ class BertLayer(nn.Module):
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         eps = config.get("layer_norm_eps", 1e-12)
         self.head_dim = hidden // heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.qkv = TrunkLinear(hidden, 3 * hidden)
         self.attn = Attention(heads, self.head_dim, heads, layer_idx, self.head_dim**-0.5)
-        self.attn_out = nn.Linear(hidden, hidden)
+        self.attn_out = TrunkLinear(hidden, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=eps)
-        self.intermediate = nn.Linear(hidden, config["intermediate_size"])
+        self.intermediate = TrunkLinear(hidden, config["intermediate_size"])
         self.act = get_activation(config.get("hidden_act", "gelu"))
-        self.output = nn.Linear(config["intermediate_size"], hidden)
+        self.output = TrunkLinear(config["intermediate_size"], hidden)
         self.output_norm = nn.LayerNorm(hidden, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention
+from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
 from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -65,8 +66,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.get("head_dim") or hidden // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=options.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=options.o_bias)
+        self.qkv_proj = TrunkLinear(hidden, self.q_size + 2 * self.kv_size, bias=options.qkv_bias)
+        self.o_proj = TrunkLinear(self.q_size, hidden, bias=options.o_bias)
         self.q_norm = self.k_norm = None
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.get("rms_norm_eps", 1e-6))
@@ -90,8 +91,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: dict[str, Any], options: DecoderOptions) -> None:
         super().__init__()
         hidden, intermediate = config["hidden_size"], config["intermediate_size"]
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=options.mlp_bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=options.mlp_bias)
+        self.gate_up_proj = TrunkLinear(hidden, 2 * intermediate, bias=options.mlp_bias)
+        self.down_proj = TrunkLinear(intermediate, hidden, bias=options.mlp_bias)
         self.act = get_activation(config.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,10 +241,18 @@ class LlamaForCausalLM(LlamaDecoder):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(self.hidden_size, self.config["vocab_size"], bias=False)
 
+    def post_load(self) -> None:
+        """Prepack the LM head (tied or not) in the runtime dtype: the costliest matmul of a
+        decode step."""
+        self._lm_head_packed = pack_weight(self._lm_head_weight())
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 logits ``[N, vocab]`` (matmul in the model dtype)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        packed = getattr(self, "_lm_head_packed", None)
+        return packed_linear(hidden, self._lm_head_weight(), packed, None).float()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

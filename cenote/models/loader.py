@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from cenote.config import ModelConfig
+from cenote.models.layers.linear import prepack_trunk
 from cenote.models.registry import load_model_class
 
 
@@ -62,9 +63,11 @@ def load_model(model_config: ModelConfig) -> nn.Module:
             f"{model_config.path}: checkpoint lacks {len(missing)} parameters, "
             f"e.g. {sorted(missing)[:5]}"
         )
+    model = model.to(model_config.dtype).eval()
+    prepack_trunk(model)
     if hasattr(model, "post_load"):
-        model.post_load()
-    return model.to(model_config.dtype).eval()
+        model.post_load()  # after the cast: e.g. pack the LM head in the runtime dtype
+    return model
 
 
 def load_dense_weights(folder: Path) -> dict[str, torch.Tensor]:

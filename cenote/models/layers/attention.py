@@ -79,69 +79,71 @@ class Attention(nn.Module):
     def _attend_paged(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """Write the new keys/values into their slots, then attend over each request's blocks."""
-        kv_cache = metadata.kv_caches[self.layer_idx]  # [2, num_blocks, block_size, kv_heads, dim]
-        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
-        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        key_cache.index_copy_(0, metadata.slot_mapping, k.to(key_cache.dtype))
-        value_cache.index_copy_(0, metadata.slot_mapping, v.to(value_cache.dtype))
+        """Write the new keys/values of every row into their slots first, then attend over each
+        request's blocks (so a block cached by one request this step is complete when read)."""
+        kv_cache = metadata.kv_caches[self.layer_idx]  # see kv_cache_shape
+        slots = kv_cache.view(2, self.num_kv_heads, -1, self.head_dim)  # [2, kv_heads, slots, dim]
+        slots[0].index_copy_(1, metadata.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+        slots[1].index_copy_(1, metadata.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
+        plan = metadata.paged
+        if plan.all_decode:
+            return self._attend_decode(q, kv_cache, plan)
         out = torch.empty_like(q)
-        loc, lens = metadata.query_start_loc, metadata.query_lens
-        decode_rows = [i for i, n in enumerate(lens) if n == 1]
-        if len(decode_rows) > 1:
-            self._attend_decode_batch(q, out, decode_rows, kv_cache, metadata)
-            done = set(decode_rows)
-        else:
-            done = set()
-        for i, n in enumerate(lens):
-            if i in done:
-                continue
-            keys, values = self._gather(kv_cache, metadata.block_tables[i], metadata)
-            seq_len = metadata.seq_lens[i]
-            keys, values = keys[:seq_len], values[:seq_len]
-            rows = slice(loc[i], loc[i + 1])
-            mask = None
-            if n != seq_len and n > 1:  # a chunk after cached context: causal, bottom-right aligned
-                positions = torch.arange(seq_len - n, seq_len).unsqueeze(1)
-                mask = torch.arange(seq_len).unsqueeze(0) <= positions  # [n, seq_len]
-            out[rows] = self._sdpa(
-                q[rows].unsqueeze(0),
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
-                causal=n > 1,
-                mask=mask,
-            )[0]
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = self._attend_decode(q[plan.decode_rows], kv_cache, plan)
+        for prefill in plan.prefills:
+            kv = self._gather(kv_cache, prefill.blocks)[:, :, 0, : prefill.seq_len]
+            query = q[prefill.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+            result = F.scaled_dot_product_attention(
+                query,
+                kv[0].unsqueeze(0),  # [1, kv_heads, seq_len, dim]
+                kv[1].unsqueeze(0),
+                attn_mask=prefill.mask,
+                is_causal=prefill.mask is None,
+                scale=self.scale,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )
+            out[prefill.rows] = result[0].transpose(0, 1)
         return out
 
-    def _gather(
-        self, kv_cache: torch.Tensor, block_table: list[int], metadata: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks = torch.tensor(block_table, dtype=torch.long)
-        keys = kv_cache[0, blocks].view(-1, self.num_kv_heads, self.head_dim)
-        values = kv_cache[1, blocks].view(-1, self.num_kv_heads, self.head_dim)
-        return keys, values
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """[2, kv_heads, batch, num_blocks * block_size, dim] keys and values of ``blocks``
+        ([batch, num_blocks] or [num_blocks]), one index_select for both."""
+        two, heads, num_blocks, block_size, dim = kv_cache.shape
+        batch = blocks.shape[0] if blocks.dim() == 2 else 1
+        flat = kv_cache.view(two * heads, num_blocks, block_size * dim)
+        picked = flat.index_select(1, blocks.reshape(-1))
+        return picked.view(two, heads, batch, -1, dim)
 
-    def _attend_decode_batch(
-        self,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        rows: list[int],
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> None:
-        """One-token queries of many requests in one call, keys padded to the longest context."""
-        tables = [metadata.block_tables[i] for i in rows]
-        max_blocks = max(len(t) for t in tables)
-        padded = torch.tensor(
-            [t + [t[0]] * (max_blocks - len(t)) for t in tables], dtype=torch.long
-        )
-        keys = kv_cache[0, padded].view(len(rows), -1, self.num_kv_heads, self.head_dim)
-        values = kv_cache[1, padded].view(len(rows), -1, self.num_kv_heads, self.head_dim)
-        seq_lens = torch.tensor([metadata.seq_lens[i] for i in rows])
-        mask = torch.arange(keys.shape[1]).unsqueeze(0) < seq_lens.unsqueeze(1)  # [batch, kv_len]
-        token_index = torch.tensor([metadata.query_start_loc[i] for i in rows], dtype=torch.long)
-        result = self._sdpa(
-            q[token_index].unsqueeze(1), keys, values, causal=False, mask=mask[:, None, None, :]
-        )
-        out[token_index] = result[:, 0]
+    def _attend_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan) -> torch.Tensor:
+        """One-token queries of many requests at once over their padded, masked block tables.
+
+        Two batched matmuls rather than SDPA: measured 4x faster for bf16 one-token queries on
+        this CPU (SDPA's flash kernel is built for long queries)."""
+        batch = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        kv = self._gather(kv_cache, plan.decode_tables)  # [2, kv_heads, batch, L, dim]
+        length = kv.shape[3]
+        keys = kv[0].view(self.num_kv_heads * batch, length, self.head_dim)
+        values = kv[1].view(self.num_kv_heads * batch, length, self.head_dim)
+        # [batch, heads, dim] -> [kv_heads * batch, group, dim]
+        query = q.view(batch, self.num_kv_heads, group, self.head_dim).transpose(0, 1)
+        query = query.reshape(self.num_kv_heads * batch, group, self.head_dim)
+        scores = torch.bmm(query, keys.transpose(1, 2)).float()  # [kv_heads * batch, group, L]
+        scores = scores.view(self.num_kv_heads, batch, group, length).mul_(self.scale)
+        scores.masked_fill_(~plan.decode_mask[None, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.bmm(probs.view(-1, group, length), values)  # [kv_heads * batch, group, dim]
+        out = out.view(self.num_kv_heads, batch, group, self.head_dim).transpose(0, 1)
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
+    """One layer's KV cache: [2 (keys, values), kv_heads, num_blocks, block_size, head_dim].
+
+    Heads outermost: gathering a request's blocks yields [kv_heads, tokens, dim] ready for the
+    attention matmuls without another copy."""
+    return (2, num_kv_heads, num_blocks, block_size, head_dim)
