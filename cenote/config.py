@@ -53,6 +53,34 @@ def default_model_path() -> Path:
 
 
 @dataclass(frozen=True)
+class PoolerConfig:
+    """User overrides of the pooling a model folder declares (vLLM's ``pooler_config``)."""
+
+    pooling_type: Literal["CLS", "MEAN", "LAST"] | None = None  # None: the folder's choice
+    normalize: bool | None = None  # default of per-request ``normalize``; None: the folder's
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            kind = str(self.pooling_type).upper()
+            if kind not in ("CLS", "MEAN", "LAST"):
+                raise ValueError(
+                    f"pooling_type must be one of CLS, MEAN, LAST, got {self.pooling_type!r}"
+                )
+            object.__setattr__(self, "pooling_type", kind)
+
+    @classmethod
+    def of(cls, value: PoolerConfig | dict[str, Any] | None) -> PoolerConfig:
+        if isinstance(value, PoolerConfig):
+            return value
+        unknown = set(value or {}) - {"pooling_type", "normalize"}
+        if unknown:
+            raise ValueError(
+                f"unknown pooler_config keys {sorted(unknown)}; known: pooling_type, normalize"
+            )
+        return cls(**(value or {}))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs to know about one model folder."""
 
@@ -63,6 +91,7 @@ class ModelConfig:
     max_model_len: int  # longest prompt (tokens, special tokens included)
     st_config: SentenceTransformerConfig | None  # sentence-transformers metadata, if any
     served_model_name: str  # the name clients use
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)  # user pooling overrides
 
     @classmethod
     def from_path(
@@ -72,6 +101,7 @@ class ModelConfig:
         max_model_len: int | None = None,
         hf_overrides: dict[str, Any] | None = None,
         served_model_name: str | None = None,
+        pooler_config: PoolerConfig | dict[str, Any] | None = None,
     ) -> ModelConfig:
         path = Path(model) if model is not None else default_model_path()
         hf_config = {**_read_hf_config(path), **(hf_overrides or {})}
@@ -95,6 +125,7 @@ class ModelConfig:
             max_model_len=limit,
             st_config=st_config,
             served_model_name=name,
+            pooler_config=PoolerConfig.of(pooler_config),
         )
 
     @property
@@ -190,6 +221,7 @@ def build_engine_config(
     served_model_name: str | None = None,
     seed: int = 0,
     convert: ConvertOption = "auto",
+    pooler_config: PoolerConfig | dict[str, Any] | None = None,
 ) -> EngineConfig:
     """The whole tree from the user's flat options (``LLM(**kwargs)`` and ``cenote serve``).
 
@@ -197,13 +229,13 @@ def build_engine_config(
     a sequence classifier); the token budget defaults to at least one whole prompt."""
     # 1) the model, converted when asked  2) limits that depend on it  3) the tree
     model_config = ModelConfig.from_path(
-        model, dtype, max_model_len, hf_overrides, served_model_name
+        model, dtype, max_model_len, hf_overrides, served_model_name, pooler_config
     )
     converted = convert_architecture(model_config.architecture, convert)
     if converted != model_config.architecture:
         overrides = {**(hf_overrides or {}), "architectures": [converted]}
         model_config = ModelConfig.from_path(
-            model, dtype, max_model_len, overrides, served_model_name
+            model, dtype, max_model_len, overrides, served_model_name, pooler_config
         )
     entry = get_entry(model_config.architecture)
     if max_num_batched_tokens is None:

@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-threads", type=int, default=None, help="engine torch threads")
     serve.add_argument("--hf-overrides", type=json.loads, default=None, help="JSON object")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--pooler-config", type=json.loads, default=None,
+        help='JSON, e.g. {"pooling_type": "MEAN", "normalize": false}',
+    )  # fmt: skip
     serve.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     serve.add_argument(
         "--convert", default="auto", choices=["auto", "embed", "classify"],
@@ -114,6 +118,7 @@ def _engine_config(args: argparse.Namespace):
         served_model_name=args.served_model_name,
         seed=args.seed,
         convert=args.convert,
+        pooler_config=args.pooler_config,
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cenote.config import ModelConfig, build_engine_config
+from cenote.config import ModelConfig, PoolerConfig, build_engine_config
 from cenote.engine import scoring
 from cenote.engine.chat import render_chat
 from cenote.engine.core import EngineCore
@@ -57,6 +57,7 @@ class LLM:
         served_model_name: str | None = None,
         seed: int = 0,
         convert: ConvertOption = "auto",
+        pooler_config: PoolerConfig | dict[str, Any] | None = None,
     ) -> None:
         self.config = build_engine_config(
             model,
@@ -74,6 +75,7 @@ class LLM:
             served_model_name=served_model_name,
             seed=seed,
             convert=convert,
+            pooler_config=pooler_config,
         )
         model_config = self.config.model
         self.engine = EngineCore(self.config)

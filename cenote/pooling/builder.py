@@ -18,7 +18,10 @@ from cenote.tasks import PoolingTask
 
 
 def default_pooling_method(model_config: ModelConfig, is_causal: bool) -> PoolingMethod:
-    """sentence-transformers' choice when the folder has one; else CLS (encoders) / LAST (decoders)."""
+    """The user's ``pooler_config``, else sentence-transformers' choice when the folder has one,
+    else CLS (encoders) / LAST (decoders)."""
+    if model_config.pooler_config.pooling_type is not None:
+        return model_config.pooler_config.pooling_type.lower()
     st = model_config.st_config
     if st is not None and st.pooling is not None:
         return st.pooling
@@ -48,6 +51,8 @@ def build_embedding_pooler(
     st = model_config.st_config
     projector = _dense_projector(model_config)
     normalize = st.normalize if st is not None else True
+    if model_config.pooler_config.normalize is not None:
+        normalize = model_config.pooler_config.normalize
     output_size = st.dense_layers[-1].out_features if projector is not None else hidden_size
     return EmbeddingPooler(
         default_pooling_method(model_config, is_causal),
