@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import httpx
 import pytest
@@ -54,3 +56,104 @@ def test_chat_without_template_is_400(llama_server):
     body = {"messages": [{"role": "user", "content": "w5"}]}
     response = httpx.post(f"{llama_server.url}/v1/chat/completions", json=body)
     assert response.status_code == 400 and "chat template" in response.json()["error"]["message"]
+
+
+# ---- the official openai client, results equal to the offline engine -------------------------
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory):
+    """A tiny Llama whose folder carries a chat template, and the offline LLM on the same folder."""
+    folder = tmp_path_factory.mktemp("tiny_llama_chat")
+    make_decoder(folder, "llama", seed=3)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    server = ServerProcess(str(folder), "--dtype", "float32", "--num-threads", "1")
+    try:
+        yield server, folder
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def offline_llm(chat_server):
+    from cenote import LLM
+
+    return LLM(str(chat_server[1]), dtype="float32", num_threads=1)
+
+
+def _openai(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_completions_equal_offline(chat_server, offline_llm):
+    from cenote import SamplingParams
+
+    server, _ = chat_server
+    client = _openai(server)
+    prompts = ["w5 w6 w7", "w40 w41"]
+    response = client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompts, max_tokens=8, temperature=0
+    )
+    expected = offline_llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    texts = [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+    assert texts == [out.outputs[0].text for out in expected]
+    assert response.usage.prompt_tokens == 5
+
+
+def test_openai_chat_streamed_and_not_equal_offline(chat_server, offline_llm):
+    from cenote import SamplingParams
+
+    server, _ = chat_server
+    client = _openai(server)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "w10 w11 w12"}]
+    full = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0, stream=True
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    expected = offline_llm.chat(messages, SamplingParams(temperature=0, max_tokens=6))
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == streamed == expected[0].outputs[0].text
+
+
+def test_client_disconnecting_mid_stream_is_aborted(chat_server):
+    """Read two chunks of a long stream, hang up: the request leaves the engine at once."""
+    server, _ = chat_server
+    body = {"prompt": "w5", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        before = _metric(http.get("/metrics").text, "cenote_generation_tokens_total")
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            received = [line for line, _ in zip(lines, range(4), strict=False) if line]
+        assert len(received) >= 2
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            text = http.get("/metrics").text
+            if _metric(text, "cenote_num_requests_running") == 0:
+                break
+            time.sleep(0.05)
+        assert _metric(text, "cenote_num_requests_running") == 0
+        assert _metric(text, "cenote_num_requests_waiting") == 0
+        generated = _metric(text, "cenote_generation_tokens_total") - before
+        assert generated < 250  # aborted, not run to the end
+        assert (
+            http.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200
+        )
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not in metrics"
+    return float(match.group(1))
