@@ -108,7 +108,7 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     from cenote import LLM
-    from cenote.config import default_model_path
+    from cenote.config import default_model_path, resolve_dtype
 
     torch.set_num_threads(args.threads)
     path = args.model or str(default_model_path())
@@ -122,6 +122,7 @@ def main() -> None:
     )
     header = f"{'dtype':9} {'engine':8} {'seconds':>8} {'sent/s':>9} {'tok/s':>10} {'ratio':>6}"
     rows = [header, "-" * len(header)]
+    seconds: dict[tuple[str, str], float] = {}
     for dtype_name in args.dtypes.split(","):
         # a fresh fp32 load per dtype: a bf16 round trip would change the fp32 weights
         st = SentenceTransformer(path, device="cpu").eval().to(getattr(torch, dtype_name))
@@ -130,6 +131,7 @@ def main() -> None:
         llm = LLM(path, dtype=dtype_name, num_threads=args.threads)
         ours = run_cenote(llm, texts)
         del llm
+        seconds[("st", dtype_name)], seconds[("cenote", dtype_name)] = theirs.seconds, ours.seconds
         ratio = theirs.seconds / ours.seconds
         min_cos = float(F.cosine_similarity(ours.embeddings, theirs.embeddings, dim=-1).min())
         for name, result, extra in (("st", theirs, ""), ("cenote", ours, f"{ratio:6.2f}")):
@@ -138,6 +140,13 @@ def main() -> None:
                 f"{len(texts) / result.seconds:9.1f} {num_tokens / result.seconds:10.0f} {extra}"
             )
         rows.append(f"{dtype_name:9} min cosine cenote vs st: {min_cos:.6f}")
+    # what users get without tuning: cenote's dtype="auto" vs sentence-transformers' fp32
+    auto = str(resolve_dtype("auto")).removeprefix("torch.")
+    if ("cenote", auto) in seconds and ("st", "float32") in seconds:
+        rows.append(
+            f"defaults: cenote auto ({auto}) / sentence-transformers float32 = "
+            f"{seconds[('st', 'float32')] / seconds[('cenote', auto)]:.2f}x"
+        )
     print("\n".join(rows))
 
 
