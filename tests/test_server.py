@@ -213,3 +213,22 @@ def test_engine_death_fails_fast_and_exits_nonzero():
         assert server.process.wait(20) != 0
     finally:
         server.stop()
+
+
+def test_overload_answers_429_with_retry_after():
+    """Inputs beyond max_num_seqs running + max_waiting_requests waiting are refused, not queued."""
+    small = ServerProcess(
+        "--dtype", "float32", "--num-threads", "1", "--max-num-seqs", "1",
+        "--max-waiting-requests", "2",
+    )  # fmt: skip
+    try:
+        with httpx.Client(base_url=small.url, timeout=60) as client:
+            refused = client.post("/v1/embeddings", json={"input": SENTENCES + ["one more"]})
+            accepted = client.post("/v1/embeddings", json={"input": SENTENCES})
+    finally:
+        small.stop()
+    assert refused.status_code == 429
+    assert refused.headers["Retry-After"] == "1"
+    error = refused.json()["error"]
+    assert error["code"] == 429 and "4 more would exceed 1 running + 2 waiting" in error["message"]
+    assert accepted.status_code == 200 and len(accepted.json()["data"]) == 3
