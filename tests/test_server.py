@@ -232,3 +232,22 @@ def test_overload_answers_429_with_retry_after():
     error = refused.json()["error"]
     assert error["code"] == 429 and "4 more would exceed 1 running + 2 waiting" in error["message"]
     assert accepted.status_code == 200 and len(accepted.json()["data"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["/nonexistent/model"], "is not a model folder (config.json is missing) nor a .gguf file"),
+        (["--pooler-config", '{"pooling_type": "MAX"}'], "pooling_type must be one of"),
+    ],
+)
+def test_bad_command_line_exits_2_with_the_reason(args, message):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "cenote", "serve", *args, "--port", "1"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr

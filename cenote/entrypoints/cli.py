@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     defaults = ServerOptions()
-    serve.add_argument("model", nargs="?", default=None, help="model folder (default: MiniLM)")
+    serve.add_argument("model", nargs="?", default=None, help="model folder or .gguf file (default: the embedded all-MiniLM-L6-v2)")
     serve.add_argument("--host", default=defaults.host)
     serve.add_argument("--port", type=int, default=defaults.port)
     serve.add_argument("--api-key", default=os.environ.get("CENOTE_API_KEY"))
@@ -59,11 +59,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    sys.exit(serve(args))
+    try:
+        code = serve(args)
+    except (FileNotFoundError, ValueError) as e:  # a bad model path or option: no traceback
+        parser.exit(2, f"cenote serve: error: {e}\n")
+    sys.exit(code)
 
 
 def serve(args: argparse.Namespace) -> int:
