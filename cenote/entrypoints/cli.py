@@ -24,7 +24,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     defaults = ServerOptions()
-    serve.add_argument("model", nargs="?", default=None, help="model folder or .gguf file (default: the embedded all-MiniLM-L6-v2)")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model folder or .gguf file (default: the embedded all-MiniLM-L6-v2)",
+    )
     serve.add_argument("--host", default=defaults.host)
     serve.add_argument("--port", type=int, default=defaults.port)
     serve.add_argument("--api-key", default=os.environ.get("CENOTE_API_KEY"))

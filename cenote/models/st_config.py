@@ -14,6 +14,11 @@ _SUPPORTED_POOLING_MODES: dict[str, PoolingMethodName] = {
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_lasttoken": "last",
 }
+_NEW_POOLING_MODES = {  # sentence-transformers >= 6: ``"pooling_mode": "mean"``
+    "cls": "pooling_mode_cls_token",
+    "mean": "pooling_mode_mean_tokens",
+    "lasttoken": "pooling_mode_lasttoken",
+}
 _ACTIVATIONS = {
     "torch.nn.modules.activation.Tanh": "tanh",
     "torch.nn.modules.linear.Identity": None,
@@ -51,13 +56,38 @@ def _read_json(path: Path) -> dict:
 
 
 def _pooling_method(config: dict, where: Path) -> PoolingMethodName:
-    enabled = [k for k, v in config.items() if k.startswith("pooling_mode_") and v]
+    """Legacy ``pooling_mode_<x>: true`` flags, or (sentence-transformers >= 6) one
+    ``pooling_mode`` entry naming the mode (a string, or a list of them)."""
+    if "pooling_mode" in config:
+        mode = config["pooling_mode"]
+        names = [mode] if isinstance(mode, str) else list(mode)
+        enabled = [_NEW_POOLING_MODES.get(name, name) for name in names]
+    else:
+        enabled = [k for k, v in config.items() if k.startswith("pooling_mode_") and v]
     if len(enabled) != 1 or enabled[0] not in _SUPPORTED_POOLING_MODES:
         raise ValueError(
             f"{where}: unsupported sentence-transformers pooling {enabled or 'none'}; "
             f"cenote supports exactly one of {sorted(_SUPPORTED_POOLING_MODES)}"
         )
+    if config.get("include_prompt", True) is False:
+        raise ValueError(
+            f"{where}: include_prompt=false (prompt tokens left out of pooling) is not supported; "
+            "cenote pools every token of the input"
+        )
     return _SUPPORTED_POOLING_MODES[enabled[0]]
+
+
+def _max_seq_length(model_dir: Path, bert_config: dict) -> int | None:
+    """sentence_bert_config.json's ``max_seq_length``, else (as sentence-transformers does, and
+    where version 6 saves it) the tokenizer's ``model_max_length``."""
+    if bert_config.get("max_seq_length"):
+        return int(bert_config["max_seq_length"])
+    path = model_dir / "tokenizer_config.json"
+    if path.exists():
+        length = _read_json(path).get("model_max_length")
+        if isinstance(length, int) and 0 < length < 1_000_000:  # absent = a huge sentinel
+            return length
+    return None
 
 
 def _dense_layer(folder: Path) -> DenseLayer:
@@ -101,7 +131,7 @@ def load_st_config(model_dir: Path) -> SentenceTransformerConfig | None:
         pooling=pooling,
         normalize=normalize,
         dense_layers=tuple(dense),
-        max_seq_length=bert_config.get("max_seq_length"),
+        max_seq_length=_max_seq_length(model_dir, bert_config),
         do_lower_case=bool(bert_config.get("do_lower_case", False)),
         prompts=dict(st_config.get("prompts") or {}),
         default_prompt_name=st_config.get("default_prompt_name"),
