@@ -124,3 +124,28 @@ def set_config(folder: Path, **entries) -> None:
     config = json.loads(path.read_text())
     config.update(entries)
     path.write_text(json.dumps(config))
+
+
+def make_qwen2_reward(
+    folder: Path, architecture: str, num_labels: int, seed: int = 0
+) -> tuple[torch.nn.Module, torch.nn.Sequential]:
+    """Save a seeded random Qwen2 reward model as the Hub's remote-code checkpoints lay it out:
+    the ``Qwen2Model`` trunk under ``model.`` and an MLP head ``score.0`` / ``score.2``.
+    Returns the trunk and the head (fp32, eval) for hand computation."""
+    from safetensors.torch import save_file
+
+    config = transformers.Qwen2Config(**_DECODER)
+    trunk = _perturb(transformers.Qwen2Model(config), seed)
+    torch.manual_seed(seed + 1)
+    hidden = config.hidden_size
+    head = torch.nn.Sequential(
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, num_labels)
+    ).eval()
+    tensors = {f"model.{name}": t for name, t in trunk.state_dict().items()}
+    tensors.update({f"score.{name}": t for name, t in head.state_dict().items()})
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, folder / "model.safetensors")
+    config.save_pretrained(folder)
+    set_config(folder, architectures=[architecture], num_labels=num_labels)
+    write_tokenizer(folder, ["<unk>", "<s>", "</s>"], pair_segments=False)
+    return trunk, head

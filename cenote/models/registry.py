@@ -57,6 +57,14 @@ _REGISTRY: dict[str, ModelEntry] = {
     "Qwen3ForSequenceClassification": ModelEntry(
         "llama", "Qwen3ForSequenceClassification", True, _SEQ_CLS_TASKS
     ),
+    # reward per token (ALL) or per prompt (last token)
+    "Qwen2ForRewardModel": ModelEntry(
+        "qwen2_reward", "Qwen2ForRewardModel", True, ("classify", "token_classify")
+    ),
+    # process reward at the step tags (STEP)
+    "Qwen2ForProcessRewardModel": ModelEntry(
+        "qwen2_reward", "Qwen2ForProcessRewardModel", True, ("token_classify",)
+    ),
 }
 
 

@@ -72,16 +72,18 @@ def _st_settings(model_config: ModelConfig) -> dict:
 def build_classifier_pooler(model_config: ModelConfig, model: nn.Module) -> ClassifierPooler:
     """A model with a classification head (``compute_scores``) pools CLS (encoders with a
     sequence head) or LAST (decoders); a token-classification head or a causal LM's LM head
-    (process reward over vocabulary logits) serves token tasks only."""
+    (process reward over vocabulary logits) serves token tasks only. A model may fix its
+    activation (``default_activation``) and default STEP tag (``step_tag_id``)."""
     if hasattr(model, "compute_scores"):
         num_labels = model.num_labels
-        activation = classifier_activation(
+        activation = getattr(model, "default_activation", None) or classifier_activation(
             model_config.hf_config, num_labels, _st_settings(model_config)
         )
         method: PoolingMethod | None = None
         if not getattr(model, "is_token_classifier", False):
             method = "last" if model.is_causal else "cls"
-        return ClassifierPooler(method, model.compute_scores, activation, num_labels)
+        step_tag_id = getattr(model, "step_tag_id", None)
+        return ClassifierPooler(method, model.compute_scores, activation, num_labels, step_tag_id)
     dtype = model_config.dtype
 
     def lm_head_scores(hidden: torch.Tensor) -> torch.Tensor:

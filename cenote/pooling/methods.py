@@ -33,8 +33,11 @@ def pool_all(hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tens
     return list(hidden.float().split(metadata.prompt_lens))  # [prompt_len, hidden] each
 
 
-def pool_step(hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
-    """Process reward: the rows whose token is the request's ``step_tag_id`` (all rows if unset)."""
+def pool_step(
+    hidden: torch.Tensor, metadata: PoolingMetadata, default_step_tag_id: int | None = None
+) -> list[torch.Tensor]:
+    """Process reward: the rows whose token is the request's ``step_tag_id``, else the model's
+    ``default_step_tag_id`` (all rows if neither is set)."""
     out = []
     for rows, params, token_ids in zip(
         hidden.float().split(metadata.prompt_lens),
@@ -42,8 +45,9 @@ def pool_step(hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Ten
         metadata.prompt_token_ids,
         strict=True,
     ):
-        if params.step_tag_id is not None:
-            rows = rows[torch.tensor(token_ids) == params.step_tag_id]
+        step_tag_id = params.step_tag_id if params.step_tag_id is not None else default_step_tag_id
+        if step_tag_id is not None:
+            rows = rows[torch.tensor(token_ids) == step_tag_id]
         out.append(rows)
     return out
 

@@ -59,7 +59,8 @@ class EmbeddingPooler(nn.Module):
 class ClassifierPooler(nn.Module):
     """Serves ``classify`` (pool one row per prompt -> score -> activate) and ``token_classify``
     (every row, or the STEP rows where token == step_tag_id -> score -> returned_token_ids
-    columns -> activate). ``score`` is the model's head; activation is per request."""
+    columns -> activate). ``score`` is the model's head; activation is per request;
+    ``step_tag_id`` is the model's default for requests that pass none."""
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class ClassifierPooler(nn.Module):
         score: ScoreFn,
         activation: Activation,
         num_labels: int,
+        step_tag_id: int | None = None,
     ) -> None:
         super().__init__()
         if method is not None and method not in SEQUENCE_METHODS:
@@ -77,6 +79,7 @@ class ClassifierPooler(nn.Module):
         self.score = score
         self.activation = activation
         self.num_labels = num_labels
+        self.step_tag_id = step_tag_id
 
     def get_supported_tasks(self) -> tuple[PoolingTask, ...]:
         return ("classify", "token_classify") if self.method is not None else ("token_classify",)
@@ -96,7 +99,7 @@ class ClassifierPooler(nn.Module):
                     outputs[i] = self._activate(scores[i], params.use_activation)
         if "token_classify" in tasks:
             # 1) pool (all rows or STEP rows)  2) score  3) select columns  4) activate
-            for i, rows in enumerate(pool_step(hidden, metadata)):
+            for i, rows in enumerate(pool_step(hidden, metadata, self.step_tag_id)):
                 params = metadata.pooling_params[i]
                 if params.task != "token_classify":
                     continue
