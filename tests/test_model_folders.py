@@ -272,3 +272,15 @@ def test_include_prompt_false_is_refused(tmp_path: Path) -> None:
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="include_prompt=false"):
         load_st_config(tmp_path)
+
+
+def test_weights_that_do_not_fit_the_config_are_refused(tmp_path: Path) -> None:
+    """A config.json that disagrees with the checkpoint fails loudly, never by broadcasting."""
+    import json
+
+    _random_bert(5).save_pretrained(tmp_path)
+    write_word_tokenizer(tmp_path, BERT_SPECIALS, _BERT["vocab_size"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(ValueError, match=r"intermediate.dense.* has shape \(64.*expects \(96"):
+        LLM(str(tmp_path), dtype="float32")

@@ -11,6 +11,7 @@ from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.linear import TrunkLinear
+from cenote.models.weights import copy_weight
 
 
 class BertEmbeddings(nn.Module):
@@ -113,12 +114,10 @@ class BertModel(nn.Module):
                 continue
             our_name, shard = target
             param = params[our_name]
-            with torch.no_grad():
-                if shard is None:
-                    param.copy_(tensor)
-                else:
-                    size = param.shape[0] // 3
-                    param[shard * size : (shard + 1) * size].copy_(tensor)
+            if shard is not None:
+                size = param.shape[0] // 3
+                param = param[shard * size : (shard + 1) * size]
+            copy_weight(param, tensor, name)
             loaded.add(our_name if shard is None else f"{our_name}[{shard}]")
         self.has_pooler_weights = "pooler_dense.weight" in loaded
         return loaded

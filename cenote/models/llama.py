@@ -22,6 +22,7 @@ from cenote.models.layers.attention import Attention
 from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
 from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
+from cenote.models.weights import copy_weight
 
 
 @dataclass(frozen=True)
@@ -207,8 +208,7 @@ class LlamaDecoder(nn.Module):
             if shard is not None:
                 start, end = self._shard_rows[shard]
                 target = target[start:end]
-            with torch.no_grad():
-                target.copy_(tensor)
+            copy_weight(target, tensor, name)
             loaded.add(our_name if shard is None else f"{our_name}[{shard}]")
         return loaded
 
