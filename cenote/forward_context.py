@@ -56,7 +56,7 @@ class PagedPlan:
     decode_rows: torch.Tensor | None  # [num_decode] row of each decode request in the stream
     all_decode: bool  # every request decodes, in order: rows are the whole stream
     decode_tables: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with block 0s
-    decode_mask: torch.Tensor | None  # [num_decode, max_blocks * block_size] bool, True = attend
+    decode_padding: torch.Tensor | None  # [num_decode, max_blocks * block_size] bool, True = pad
     prefills: list[PrefillRow]
 
     @classmethod
@@ -84,9 +84,9 @@ class PagedPlan:
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)
         seq_lens = torch.tensor([md.seq_lens[i] for i in decode])
-        mask = torch.arange(width * md.block_size).unsqueeze(0) < seq_lens.unsqueeze(1)
+        padding = torch.arange(width * md.block_size).unsqueeze(0) >= seq_lens.unsqueeze(1)
         rows = torch.tensor([md.query_start_loc[i] for i in decode], dtype=torch.long)
-        return cls(rows, len(decode) == len(lens), padded, mask, prefills)
+        return cls(rows, len(decode) == len(lens), padded, padding, prefills)
 
 
 _CONTEXT: ContextVar[AttentionMetadata | None] = ContextVar("cenote_forward_context", default=None)

@@ -130,8 +130,10 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(self.layers[0].self_attn.head_dim, config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary.cos_sin(positions)  # [num_tokens, head_dim] each, fp32
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        # [num_tokens, head_dim] each: computed in fp32, cast once to the activation dtype (as
+        # transformers casts them before rotating)
+        cos, sin = (t.to(x.dtype) for t in self.rotary.cos_sin(positions))
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)

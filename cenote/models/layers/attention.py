@@ -132,7 +132,7 @@ class Attention(nn.Module):
         query = query.reshape(self.num_kv_heads * batch, group, self.head_dim)
         scores = torch.bmm(query, keys.transpose(1, 2)).float()  # [kv_heads * batch, group, L]
         scores = scores.view(self.num_kv_heads, batch, group, length).mul_(self.scale)
-        scores.masked_fill_(~plan.decode_mask[None, :, None, :], float("-inf"))
+        scores.masked_fill_(plan.decode_padding[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = torch.bmm(probs.view(-1, group, length), values)  # [kv_heads * batch, group, dim]
         out = out.view(self.num_kv_heads, batch, group, self.head_dim).transpose(0, 1)
