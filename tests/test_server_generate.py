@@ -60,9 +60,9 @@ def test_chat_without_template_is_400(llama_server):
 
 # ---- the official openai client, results equal to the offline engine -------------------------
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
-    "{% if add_generation_prompt %}<s>{% endif %}"
+CHAT_TEMPLATE = (  # bos_token / eos_token come from the model's config, as templates expect
+    "{% for m in messages %}{{ bos_token }} {{ m['content'] }} {{ eos_token }} {% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token }}{% endif %}"
 )
 
 
@@ -124,6 +124,7 @@ def test_openai_chat_streamed_and_not_equal_offline(chat_server, offline_llm):
     )
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     expected = offline_llm.chat(messages, SamplingParams(temperature=0, max_tokens=6))
+    assert expected[0].prompt == "<s> w10 w11 w12 </s> <s>"
     assert full.choices[0].message.role == "assistant"
     assert full.choices[0].message.content == streamed == expected[0].outputs[0].text
 
@@ -157,3 +158,16 @@ def _metric(text: str, name: str) -> float:
     match = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
     assert match, f"{name} not in metrics"
     return float(match.group(1))
+
+
+def test_embeddings_of_chat_messages_equal_offline(chat_server, offline_llm):
+    """``messages`` input to /v1/embeddings: rendered with the chat template (no generation
+    prompt), then embedded like any text."""
+    server, _ = chat_server
+    messages = [{"role": "user", "content": "w20 w21"}, {"role": "assistant", "content": "w22"}]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        response = http.post("/v1/embeddings", json={"messages": messages})
+    assert response.status_code == 200, response.text
+    served = response.json()["data"][0]["embedding"]
+    expected = offline_llm.embed(["<s> w20 w21 </s> <s> w22 </s> "], use_tqdm=False)[0]
+    assert max(abs(a - b) for a, b in zip(served, expected.outputs.embedding, strict=True)) < 1e-5

@@ -69,3 +69,15 @@ def render_template(template: str, **variables: Any) -> str:
         return _compile(template).render(**variables)
     except TemplateError as e:
         raise InvalidInputError(f"template failed: {e}") from e
+
+
+def special_token_variables(tokenizer: Any, hf_config: dict[str, Any]) -> dict[str, str]:
+    """``bos_token`` / ``eos_token`` strings that chat templates may reference."""
+    variables = {}
+    for name in ("bos", "eos"):
+        token_id = hf_config.get(f"{name}_token_id")
+        if isinstance(token_id, int):
+            token = tokenizer.id_to_token(token_id)
+            if token is not None:
+                variables[f"{name}_token"] = token
+    return variables

@@ -9,9 +9,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cenote.config import ModelConfig, PoolerConfig, build_engine_config
+from cenote.config import PoolerConfig, build_engine_config
 from cenote.engine import scoring
-from cenote.engine.chat import render_chat
+from cenote.engine.chat import render_chat, special_token_variables
 from cenote.engine.core import EngineCore
 from cenote.engine.input_processor import InputProcessor, PromptType
 from cenote.engine.output_processor import OutputProcessor
@@ -85,7 +85,7 @@ class LLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.chat_template = load_chat_template(model_config)
-        self._template_tokens = _special_tokens(self.tokenizer, model_config)
+        self._template_tokens = special_token_variables(self.tokenizer, model_config.hf_config)
         self._request_counter = itertools.count()
 
     @property
@@ -366,15 +366,3 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     seed = params.seed + index if params.seed is not None else None
     return dataclasses.replace(params, n=1, seed=seed)
-
-
-def _special_tokens(tokenizer, model_config: ModelConfig) -> dict[str, str]:
-    """bos_token / eos_token strings that chat templates may reference."""
-    tokens = {}
-    for name in ("bos", "eos"):
-        token_id = model_config.hf_config.get(f"{name}_token_id")
-        if isinstance(token_id, int):
-            token = tokenizer.id_to_token(token_id)
-            if token is not None:
-                tokens[f"{name}_token"] = token
-    return tokens

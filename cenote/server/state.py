@@ -15,7 +15,7 @@ from fastapi import Request
 
 from cenote.config import EngineConfig
 from cenote.engine.async_client import AsyncEngineClient
-from cenote.engine.chat import render_chat
+from cenote.engine.chat import render_chat, special_token_variables
 from cenote.engine.input_processor import InputProcessor, PromptType
 from cenote.engine.messages import EngineCoreRequest
 from cenote.engine.tokenizer import load_chat_template, load_tokenizer
@@ -49,6 +49,7 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_name)
         self.tokenizer = load_tokenizer(self.model_config)
         self.chat_template = load_chat_template(self.model_config)
+        self.template_tokens = special_token_variables(self.tokenizer, self.model_config.hf_config)
         self.client = AsyncEngineClient(
             engine_config, self.tokenizer, on_step=self.metrics.record_step, on_dead=self._on_dead
         )
@@ -162,6 +163,7 @@ class ServerState:
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, **variables: Any
     ) -> str:
+        variables = {**self.template_tokens, **variables}
         return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
 
     # ---- running ------------------------------------------------------------------------------
