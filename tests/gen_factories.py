@@ -70,6 +70,21 @@ def make_decoder(folder: Path, family: str, seed: int = 0, **overrides) -> torch
     return model
 
 
+def record_steps(llm) -> list:
+    """Instrument the engine's scheduler: the list fills with every SchedulerOutput it produces."""
+    steps = []
+    scheduler = llm.engine.scheduler
+    original = scheduler.schedule
+
+    def schedule():
+        output = original()
+        steps.append(output)
+        return output
+
+    scheduler.schedule = schedule
+    return steps
+
+
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Token-id prompts of the given lengths, free of special ids."""
     generator = torch.Generator().manual_seed(seed)

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gen_factories import DECODER_FAMILIES, make_decoder, make_llm, random_prompts, token_prompts
+from gen_factories import (
+    DECODER_FAMILIES,
+    make_decoder,
+    make_llm,
+    random_prompts,
+    record_steps,
+    token_prompts,
+)
 
 from cenote import PoolingParams, SamplingParams
 from cenote.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput
@@ -34,20 +41,6 @@ def separate(tiny):
     embeds = llm.embed(token_prompts(EMBED_PROMPTS), RAW, use_tqdm=False)
     default = llm.embed(token_prompts(EMBED_PROMPTS[:1]), use_tqdm=False)
     return gens, embeds, default
-
-
-def _record_steps(llm) -> list:
-    steps = []
-    scheduler = llm.engine.scheduler
-    original = scheduler.schedule
-
-    def schedule():
-        output = original()
-        steps.append(output)
-        return output
-
-    scheduler.schedule = schedule
-    return steps
 
 
 class Driver:
@@ -134,7 +127,7 @@ def test_embeddings_match_transformers_last_hidden_state(tiny, separate) -> None
 def test_prefills_of_both_kinds_share_a_step(tiny, separate) -> None:
     folder, _ = tiny
     llm = make_llm(folder, block_size=4, enable_prefix_caching=False)
-    steps = _record_steps(llm)
+    steps = record_steps(llm)
     driver = Driver(llm)
     gen_ids = [driver.add_generation(p, GEN_PARAMS) for p in GEN_PROMPTS]
     emb_ids = [driver.add_embedding(p, RAW) for p in EMBED_PROMPTS]
@@ -151,7 +144,7 @@ def test_embeddings_join_running_decodes(tiny, separate) -> None:
     in the same step."""
     folder, _ = tiny
     llm = make_llm(folder, block_size=4)
-    steps = _record_steps(llm)
+    steps = record_steps(llm)
     driver = Driver(llm)
     gen_ids = [driver.add_generation(p, GEN_PARAMS) for p in GEN_PROMPTS]
     driver.step()  # prefill + first token
@@ -172,7 +165,7 @@ def test_chunked_embeddings_next_to_decodes(tiny, separate) -> None:
     """A small token budget: embedding prompts are split across steps that also decode."""
     folder, _ = tiny
     llm = make_llm(folder, block_size=4, max_num_batched_tokens=8, enable_prefix_caching=False)
-    steps = _record_steps(llm)
+    steps = record_steps(llm)
     driver = Driver(llm)
     gen_ids = [driver.add_generation(p, GEN_PARAMS) for p in GEN_PROMPTS]
     emb_ids = [driver.add_embedding(p, RAW) for p in EMBED_PROMPTS]

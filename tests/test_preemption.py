@@ -4,7 +4,7 @@ prefill (a small token budget) give the same tokens and logprobs as a roomy engi
 from __future__ import annotations
 
 import pytest
-from gen_factories import make_decoder, make_llm, random_prompts, token_prompts
+from gen_factories import make_decoder, make_llm, random_prompts, record_steps, token_prompts
 
 from cenote import SamplingParams
 
@@ -42,21 +42,6 @@ def _count_preemptions(llm) -> list[str]:
 
     scheduler._preempt = preempt
     return preempted
-
-
-def _record_steps(llm) -> list:
-    """Instrument the scheduler: every SchedulerOutput it produces."""
-    steps = []
-    scheduler = llm.engine.scheduler
-    original = scheduler.schedule
-
-    def schedule():
-        output = original()
-        steps.append(output)
-        return output
-
-    scheduler.schedule = schedule
-    return steps
 
 
 def _assert_same(outs, refs, prompt_logprobs: bool = False) -> None:
@@ -125,7 +110,7 @@ def test_chunked_prefill_gives_identical_outputs(folder, roomy, budget: int) -> 
     params = _greedy(logprobs=3, prompt_logprobs=3)
     refs = roomy.generate(token_prompts(PROMPTS), params, use_tqdm=False)
     small = make_llm(folder, block_size=BLOCK_SIZE, max_num_batched_tokens=budget)
-    steps = _record_steps(small)
+    steps = record_steps(small)
     outs = small.generate(token_prompts(PROMPTS), params, use_tqdm=False)
     _assert_same(outs, refs, prompt_logprobs=True)
     assert all(step.total_num_scheduled_tokens <= budget for step in steps)
