@@ -93,12 +93,16 @@ class Attention(nn.Module):
         if plan.decode_rows is not None:
             out[plan.decode_rows] = self._attend_decode(q[plan.decode_rows], kv_cache, plan)
         for prefill in plan.prefills:
-            kv = self._gather(kv_cache, prefill.blocks)[:, :, 0, : prefill.seq_len]
+            if prefill.mask is None:  # no cached context: the new rows are the whole sequence
+                keys, values = k[prefill.rows].transpose(0, 1), v[prefill.rows].transpose(0, 1)
+            else:
+                kv = self._gather(kv_cache, prefill.blocks)[:, :, 0, : prefill.seq_len]
+                keys, values = kv[0], kv[1]  # [kv_heads, seq_len, dim]
             query = q[prefill.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             result = F.scaled_dot_product_attention(
                 query,
-                kv[0].unsqueeze(0),  # [1, kv_heads, seq_len, dim]
-                kv[1].unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
                 attn_mask=prefill.mask,
                 is_causal=prefill.mask is None,
                 scale=self.scale,
