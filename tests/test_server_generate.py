@@ -171,3 +171,18 @@ def test_embeddings_of_chat_messages_equal_offline(chat_server, offline_llm):
     served = response.json()["data"][0]["embedding"]
     expected = offline_llm.embed(["<s> w20 w21 </s> <s> w22 </s> "], use_tqdm=False)[0]
     assert max(abs(a - b) for a, b in zip(served, expected.outputs.embedding, strict=True)) < 1e-5
+
+
+def test_streamed_text_with_a_stop_string_equals_the_full_text(llama_server):
+    """Streaming holds back only what could still become a stop string, and never shows it."""
+    body = {"prompt": "w5 w6 w7", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=llama_server.url, timeout=60) as http:
+        words = http.post("/v1/completions", json=body).json()["choices"][0]["text"].split()
+        stop = words[len(words) // 2]  # a word from the middle of the greedy output
+        full = http.post("/v1/completions", json={**body, "stop": [stop]}).json()
+        stream = http.post("/v1/completions", json={**body, "stop": [stop], "stream": True})
+    choice = full["choices"][0]
+    assert choice["finish_reason"] == "stop" and stop not in choice["text"].split()
+    events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["text"] for chunk in chunks for c in chunk["choices"]) == choice["text"]

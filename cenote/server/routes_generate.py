@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from cenote.engine.input_processor import TokenizedPrompt
 from cenote.outputs import CompletionOutput, RequestOutput
+from cenote.sampling.detokenizer import stop_holdback_len
 from cenote.sampling_params import SamplingParams
 from cenote.server.protocol import ChatCompletionRequest, CompletionRequest, _GenerationBody
 from cenote.server.state import ServerState, get_state, new_request_id, with_cancellation
@@ -159,7 +160,6 @@ class _Job:
         sent_text: dict[tuple[int, int], int] = {}
         sent_tokens: dict[tuple[int, int], int] = {}
         final: dict[int, RequestOutput] = {}
-        hold = self.params.max_stop_len
         try:
             if self.chat:
                 for i in range(len(self.tokenized) * self.params.n):
@@ -170,7 +170,9 @@ class _Job:
                 choices = []
                 for c in output.outputs:
                     key = (index, c.index)
-                    end = len(c.text) if c.finish_reason else max(len(c.text) - hold, 0)
+                    # hold back only a tail that could still grow into a stop string
+                    hold = 0 if c.finish_reason else stop_holdback_len(c.text, self.params.stop)
+                    end = len(c.text) - hold
                     start, token_start = sent_text.get(key, 0), sent_tokens.get(key, 0)
                     if end <= start and not c.finish_reason:
                         continue
