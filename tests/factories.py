@@ -132,13 +132,16 @@ def with_st_pooling(source: Path, target: Path, method: str, normalize: bool = F
     return target
 
 
-def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    """Token-id prompts of the given lengths, free of special (and padding) ids."""
+def random_prompts(
+    lengths: list[int],
+    seed: int = 0,
+    low: int = NUM_SPECIAL_TOKENS,
+    high: int = TINY_VOCAB_SIZE,
+) -> list[list[int]]:
+    """Token-id prompts of the given lengths, ids in ``[low, high)`` (by default free of
+    special and padding ids of the tiny encoders)."""
     generator = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(NUM_SPECIAL_TOKENS, TINY_VOCAB_SIZE, (n,), generator=generator).tolist()
-        for n in lengths
-    ]
+    return [torch.randint(low, high, (n,), generator=generator).tolist() for n in lengths]
 
 
 def embed_matrix(llm, texts: list, **kwargs) -> torch.Tensor:

@@ -15,6 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 import transformers
+from factories import random_prompts as random_ids
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 NUM_THREADS = 2  # the CI box has 2 cores; cenote and transformers use the same count
@@ -86,12 +87,8 @@ def record_steps(llm) -> list:
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    """Token-id prompts of the given lengths, free of special ids."""
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(FIRST_WORD_ID, VOCAB_SIZE, (n,), generator=generator).tolist()
-        for n in lengths
-    ]
+    """Token-id prompts of the given lengths, free of the decoders' special ids."""
+    return random_ids(lengths, seed, low=FIRST_WORD_ID, high=VOCAB_SIZE)
 
 
 def token_prompts(prompts: list[list[int]]) -> list[dict]:
