@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cenote.forward_context import AttentionMetadata, get_attention_metadata
+
+# Encoders only: ``mask_fn(rows, num_requests, length)`` -> a bool (True = attend) or additive
+# float mask broadcastable to [num_requests, heads, length, length] for the equal-length requests
+# whose tokens are ``rows`` of the flat stream (relative position bias, local window, key mask).
+EncoderMaskFn = Callable[[slice, int, int], torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -26,13 +33,19 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask_fn: EncoderMaskFn | None = None,
+    ) -> torch.Tensor:
         metadata = get_attention_metadata()
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if metadata.kv_caches is None:
-            out = self._attend_without_cache(q, k, v, metadata)
+            out = self._attend_without_cache(q, k, v, metadata, mask_fn)
         else:
             out = self._attend_paged(q, k, v, metadata)
         return out.reshape(-1, self.num_heads * self.head_dim)
@@ -53,7 +66,12 @@ class Attention(nn.Module):
         return out.transpose(1, 2)  # [batch, q_len, heads, head_dim]
 
     def _attend_without_cache(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
+        mask_fn: EncoderMaskFn | None = None,
     ) -> torch.Tensor:
         """Each request sees only its own tokens; requests of equal length share one kernel call."""
         loc = metadata.query_start_loc
@@ -72,6 +90,7 @@ class Attention(nn.Module):
                 k[group].view(*shape, self.num_kv_heads, self.head_dim),
                 v[group].view(*shape, self.num_kv_heads, self.head_dim),
                 causal=metadata.causal,
+                mask=None if mask_fn is None else mask_fn(group, j - i + 1, n),
             ).reshape(end - start, self.num_heads, self.head_dim)
             i = j + 1
         return out
