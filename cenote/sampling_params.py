@@ -45,6 +45,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # drop special tokens from the detokenized text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     detokenize: bool = True  # produce text at all
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI)
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
@@ -78,6 +79,9 @@ class SamplingParams:
             _check(value is None or value >= 0, f"{name} must be non-negative, got {value}")
         bad_ids = [t for t in self.stop_token_ids if t < 0]
         _check(not bad_ids, f"stop_token_ids must be non-negative, got {bad_ids}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(token_id >= 0, f"logit_bias token ids must be non-negative, got {token_id}")
+            _check(-100 <= bias <= 100, f"logit_bias values must be in [-100, 100], got {bias}")
 
     @property
     def is_greedy(self) -> bool:

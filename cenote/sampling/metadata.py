@@ -51,6 +51,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator
     max_num_logprobs: int | None = None  # largest `logprobs` asked for; None = none asked
     masked_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> banned ids
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> id -> bias
 
     @property
     def num_rows(self) -> int:
@@ -113,6 +114,7 @@ class SamplingMetadata:
             masked_token_ids={
                 i: list(row.masked_token_ids) for i, row in enumerate(rows) if row.masked_token_ids
             },
+            logit_bias={i: p.logit_bias for i, p in enumerate(params) if p.logit_bias},
         )
 
 

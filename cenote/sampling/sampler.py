@@ -1,6 +1,6 @@
 """The sampler: logits -> next token ids (+ logprobs), as a pipeline of small functions.
 
-    compute_logprobs (raw) -> mask_tokens -> apply_penalties -> greedy argmax
+    compute_logprobs (raw) -> mask_tokens -> apply_logit_bias -> apply_penalties -> greedy argmax
         -> apply_temperature -> apply_top_k_top_p -> apply_min_p -> random_sample
 
 All arithmetic is in fp32 whatever the logits dtype. Every step is row-wise, and seeded rows
@@ -52,6 +52,8 @@ class Sampler(nn.Module):
             raw_logprobs = compute_logprobs(logits)
         # 3) banned tokens and penalties
         logits = mask_tokens(logits, metadata.masked_token_ids)
+        if metadata.logit_bias:
+            logits = apply_logit_bias(logits, metadata.logit_bias)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
         # 4) choose
@@ -79,6 +81,21 @@ def mask_tokens(logits: torch.Tensor, row_to_token_ids: dict[int, list[int]]) ->
         ids = [t for t in token_ids if 0 <= t < vocab_size]
         if ids:
             logits[row, ids] = float("-inf")
+    return logits
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, row_to_bias: dict[int, dict[int, float]]
+) -> torch.Tensor:
+    """Add each row's bias to the listed tokens' logits (in place; returns ``logits``). OpenAI's
+    ``logit_bias``: -100 all but bans a token, +100 all but forces it; ids outside the
+    vocabulary are ignored."""
+    vocab_size = logits.shape[-1]
+    for row, bias in row_to_bias.items():
+        ids = [t for t in bias if 0 <= t < vocab_size]
+        if ids:
+            values = torch.tensor([bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
+            logits[row, ids] += values
     return logits
 
 
