@@ -159,7 +159,7 @@ def _read_hf_config(path: Path) -> dict[str, Any]:
 
 def _model_len_limit(hf_config: dict[str, Any], st_config: SentenceTransformerConfig | None) -> int:
     limit = int(hf_config.get("max_position_embeddings", 2048))
-    if hf_config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+    if hf_config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "mpnet"):
         limit -= int(hf_config.get("pad_token_id", 1)) + 1  # positions start after padding_idx
     if st_config is not None and st_config.max_seq_length:
         limit = min(limit, int(st_config.max_seq_length))

@@ -41,6 +41,14 @@ _REGISTRY: dict[str, ModelEntry] = {
     "BertForTokenClassification": ModelEntry(
         "bert_classifiers", "BertForTokenClassification", False, ("token_classify",)
     ),
+    "MPNetModel": ModelEntry("mpnet", "MPNetModel", False, _ENCODER_TASKS),
+    "MPNetForSequenceClassification": ModelEntry(
+        "mpnet", "MPNetForSequenceClassification", False, ("classify",)
+    ),
+    "DistilBertModel": ModelEntry("distilbert", "DistilBertModel", False, _ENCODER_TASKS),
+    "DistilBertForSequenceClassification": ModelEntry(
+        "distilbert", "DistilBertForSequenceClassification", False, ("classify",)
+    ),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "MistralForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "Qwen2ForCausalLM": ModelEntry("llama", "Qwen2ForCausalLM", True, _DECODER_TASKS),
