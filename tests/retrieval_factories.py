@@ -90,7 +90,7 @@ def save_sentence_transformer(
     transformer = Transformer(str(trunk), max_seq_length=64)
     modules = [
         transformer,
-        Pooling(transformer.get_word_embedding_dimension(), pooling_mode=pooling),
+        Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling),
     ]
     torch.manual_seed(seed)
     for in_features, out_features, bias in dense:

@@ -49,6 +49,10 @@ _REGISTRY: dict[str, ModelEntry] = {
     "DistilBertForSequenceClassification": ModelEntry(
         "distilbert", "DistilBertForSequenceClassification", False, ("classify",)
     ),
+    "ModernBertModel": ModelEntry("modernbert", "ModernBertModel", False, _ENCODER_TASKS),
+    "ModernBertForSequenceClassification": ModelEntry(
+        "modernbert", "ModernBertForSequenceClassification", False, ("classify",)
+    ),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "MistralForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "Qwen2ForCausalLM": ModelEntry("llama", "Qwen2ForCausalLM", True, _DECODER_TASKS),

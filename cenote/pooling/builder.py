@@ -82,6 +82,7 @@ def build_classifier_pooler(model_config: ModelConfig, model: nn.Module) -> Clas
         method: PoolingMethod | None = None
         if not getattr(model, "is_token_classifier", False):
             method = "last" if model.is_causal else "cls"
+            method = getattr(model, "classifier_pooling", None) or method  # e.g. ModernBERT mean
         step_tag_id = getattr(model, "step_tag_id", None)
         return ClassifierPooler(method, model.compute_scores, activation, num_labels, step_tag_id)
     dtype = model_config.dtype

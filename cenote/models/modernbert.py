@@ -1,0 +1,235 @@
+"""ModernBERT encoder (and its sequence-classification head) over a flat, unpadded token stream.
+
+Pre-norm layers (the first without an attention norm), fused QKV with rotary embeddings, GeGLU
+MLP, no position or token-type embeddings. Layers alternate global attention and local attention
+over a window of ``local_attention`` tokens (a token sees those at most ``local_attention // 2``
+away), each kind with its own rotary base. Norm and linear biases follow the config
+(``norm_bias``, ``attention_bias``, ``mlp_bias``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cenote.config import ModelConfig
+from cenote.models.bert_classifiers import num_labels_of
+from cenote.models.layers.activation import get_activation
+from cenote.models.layers.attention import Attention, EncoderMaskFn
+from cenote.models.layers.linear import TrunkLinear
+from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
+from cenote.models.weights import load_by_name
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_DEFAULT_THETA = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}
+_OLD_THETA_KEYS = {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"}
+CLASSIFIER_POOLING = ("cls", "mean")
+
+
+def layer_types(config: dict[str, Any]) -> list[str]:
+    """Per layer: ``full_attention`` or ``sliding_attention`` (``layer_types``, else the older
+    ``global_attn_every_n_layers``: every n-th layer from the first is global)."""
+    num_layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        every = int(config.get("global_attn_every_n_layers", 3))
+        types = ["sliding_attention" if i % every else "full_attention" for i in range(num_layers)]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown or len(types) != num_layers:
+        raise ValueError(
+            f"ModernBERT layer_types {types} are not supported: need {num_layers} entries, each "
+            f"one of {', '.join(LAYER_TYPES)}"
+        )
+    return list(types)
+
+
+def rope_config(config: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """The rotary settings of one layer kind, as ``RotaryEmbedding`` reads them: the
+    transformers-5 per-kind ``rope_parameters``, else ``global_rope_theta`` / ``local_rope_theta``."""
+    params = dict((config.get("rope_parameters") or {}).get(layer_type) or {})
+    params.setdefault(
+        "rope_theta", config.get(_OLD_THETA_KEYS[layer_type], _DEFAULT_THETA[layer_type])
+    )
+    return {
+        "rope_parameters": params,
+        "max_position_embeddings": config.get("max_position_embeddings"),
+    }
+
+
+def _layer_norm(config: dict[str, Any]) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        config["hidden_size"],
+        eps=config.get("norm_eps", 1e-5),
+        bias=bool(config.get("norm_bias", False)),
+    )
+
+
+class ModernBertLayer(nn.Module):
+    """``x + attn(attn_norm(x))`` then ``x + Wo(act(input) * gate)`` over ``mlp_norm(x)``."""
+
+    def __init__(self, config: dict[str, Any], layer_idx: int, sliding: bool) -> None:
+        super().__init__()
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        self.head_dim = hidden // heads
+        attention_bias = bool(config.get("attention_bias", False))
+        mlp_bias = bool(config.get("mlp_bias", False))
+        self.attn_norm = _layer_norm(config) if layer_idx > 0 else nn.Identity()
+        self.Wqkv = TrunkLinear(hidden, 3 * hidden, bias=attention_bias)
+        self.attn = Attention(heads, self.head_dim, heads, layer_idx, self.head_dim**-0.5)
+        self.Wo = TrunkLinear(hidden, hidden, bias=attention_bias)
+        self.mlp_norm = _layer_norm(config)
+        self.Wi = TrunkLinear(hidden, 2 * config["intermediate_size"], bias=mlp_bias)
+        self.act = get_activation(config.get("hidden_activation", "gelu"))
+        self.mlp_out = TrunkLinear(config["intermediate_size"], hidden, bias=mlp_bias)
+        self.sliding = sliding
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        mask_fn: EncoderMaskFn | None,
+    ) -> torch.Tensor:
+        q, k, v = self.Wqkv(self.attn_norm(x)).chunk(3, dim=-1)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        x = x + self.Wo(self.attn(q, k, v, mask_fn))
+        up, gate = self.Wi(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.mlp_out(self.act(up) * gate)
+
+
+def window_mask_fn(half_window: int) -> EncoderMaskFn:
+    """Local attention: token i sees token j when ``|i - j| <= half_window``; None (no mask)
+    for requests short enough that every token is inside every window."""
+    masks: dict[int, torch.Tensor] = {}
+
+    def mask_fn(rows: slice, num_requests: int, length: int) -> torch.Tensor | None:
+        if length - 1 <= half_window:
+            return None
+        if length not in masks:
+            index = torch.arange(length)
+            masks[length] = (index[:, None] - index[None, :]).abs() <= half_window
+        return masks[length]  # [length, length] bool, broadcast over requests and heads
+
+    return mask_fn
+
+
+# checkpoint name (after the layer index) -> ours, where they differ
+_LAYER_NAMES = {"attn.Wqkv": "Wqkv", "attn.Wo": "Wo", "mlp.Wi": "Wi", "mlp.Wo": "mlp_out"}
+
+
+class ModernBertModel(nn.Module):
+    """``forward(input_ids, positions) -> hidden_states [num_tokens, hidden]`` (after the final
+    norm, as transformers' ``last_hidden_state``)."""
+
+    is_causal = False
+    checkpoint_prefix = "model."  # task models keep the trunk under ``model.``
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        config = model_config.hf_config
+        self.config = config
+        self.hidden_size = config["hidden_size"]
+        self.head_dim = self.hidden_size // config["num_attention_heads"]
+        types = layer_types(config)
+        self.rotary = {
+            kind: RotaryEmbedding(self.head_dim, rope_config(config, kind)) for kind in set(types)
+        }
+        self.half_window = int(config.get("local_attention", 128)) // 2
+        self.tok_embeddings = nn.Embedding(config["vocab_size"], self.hidden_size)
+        self.embedding_norm = _layer_norm(config)
+        self.layers = nn.ModuleList(
+            ModernBertLayer(config, i, kind == "sliding_attention") for i, kind in enumerate(types)
+        )
+        self.layer_kinds = types
+        self.final_norm = _layer_norm(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens], 0-based within each request
+        token_type_ids: torch.Tensor | None = None,  # unused: ModernBERT has no token types
+    ) -> torch.Tensor:
+        x = self.embedding_norm(self.tok_embeddings(input_ids))
+        tables = {kind: rotary.cos_sin(positions) for kind, rotary in self.rotary.items()}
+        window = window_mask_fn(self.half_window)
+        for layer, kind in zip(self.layers, self.layer_kinds, strict=True):
+            x = layer(x, tables[kind], window if layer.sliding else None)
+        return self.final_norm(x)  # [num_tokens, hidden]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_by_name(self, weights, self._map_name)
+
+    def _map_name(self, name: str) -> str | None:
+        if name.startswith(self.checkpoint_prefix):
+            name = name[len(self.checkpoint_prefix) :]
+        elif name.startswith(("head.", "classifier.")):
+            return self._map_head_name(name)
+        if name.startswith("embeddings."):
+            return {
+                "embeddings.tok_embeddings.weight": "tok_embeddings.weight",
+                "embeddings.norm.weight": "embedding_norm.weight",
+                "embeddings.norm.bias": "embedding_norm.bias",
+            }.get(name)
+        if name.startswith("final_norm."):
+            return name
+        if not name.startswith("layers."):
+            return None  # e.g. the masked-LM decoder
+        _, index, rest = name.split(".", 2)
+        module, kind = rest.rsplit(".", 1)
+        return f"layers.{index}.{_LAYER_NAMES.get(module, module)}.{kind}"
+
+    def _map_head_name(self, name: str) -> str | None:
+        return None  # the trunk serves embeddings; ModernBertForSequenceClassification keeps them
+
+    def required_parameters(self) -> set[str]:
+        return {name for name, _ in self.named_parameters()}
+
+
+class ModernBertForSequenceClassification(ModernBertModel):
+    """Trunk + ``classifier(norm(act(dense(pooled))))``; pooled is CLS or the mean of the
+    prompt's tokens (``classifier_pooling``). The head runs in fp32."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        config = self.config
+        pooling = config.get("classifier_pooling", "cls")
+        if pooling not in CLASSIFIER_POOLING:
+            raise ValueError(
+                f"ModernBERT classifier_pooling {pooling!r} is not supported; supported: "
+                f"{', '.join(CLASSIFIER_POOLING)}"
+            )
+        self.classifier_pooling = pooling
+        self.num_labels = num_labels_of(config)
+        self.head_dense = nn.Linear(
+            self.hidden_size, self.hidden_size, bias=bool(config.get("classifier_bias", False))
+        )
+        self.head_act = get_activation(config.get("classifier_activation", "gelu"))
+        self.head_norm = _layer_norm(config)
+        self.classifier = nn.Linear(self.hidden_size, self.num_labels)
+
+    def _map_head_name(self, name: str) -> str | None:
+        if name.startswith("classifier."):
+            return name
+        module, kind = name.rsplit(".", 1)
+        return {"head.dense": "head_dense", "head.norm": "head_norm"}[module] + f".{kind}"
+
+    def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``pooled [N, hidden]`` -> fp32 logits ``[N, num_labels]``."""
+        x = _linear_fp32(pooled, self.head_dense)
+        x = F.layer_norm(
+            self.head_act(x),
+            x.shape[-1:],
+            self.head_norm.weight.float(),
+            None if self.head_norm.bias is None else self.head_norm.bias.float(),
+            self.head_norm.eps,
+        )
+        return _linear_fp32(x, self.classifier)
+
+
+def _linear_fp32(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    bias = None if linear.bias is None else linear.bias.float()
+    return F.linear(x.float(), linear.weight.float(), bias)
