@@ -38,6 +38,7 @@ class ServerOptions:
     max_input_chars: int = 1 << 20  # characters per input text
     max_waiting_requests: int = 4096  # beyond running ones; more answers 429
     engine_dead_exit_delay_s: float = 2.0  # keep answering 503 this long before exiting
+    auto_truncate: bool = False  # embedding routes cut long inputs to fit (TEI's option)
 
 
 class ServerState:
