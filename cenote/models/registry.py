@@ -53,6 +53,7 @@ _REGISTRY: dict[str, ModelEntry] = {
     "ModernBertForSequenceClassification": ModelEntry(
         "modernbert", "ModernBertForSequenceClassification", False, ("classify",)
     ),
+    "NomicBertModel": ModelEntry("nomic_bert", "NomicBertModel", False, _ENCODER_TASKS),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "MistralForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "Qwen2ForCausalLM": ModelEntry("llama", "Qwen2ForCausalLM", True, _DECODER_TASKS),
