@@ -174,10 +174,11 @@ T5 = dict(
 )
 
 
-def make_t5_encoder(folder: Path, seed: int = 0, **overrides):
-    """Save a seeded random ``T5EncoderModel`` (``feed_forward_proj`` relu or gated-gelu)."""
-    config = transformers.T5Config(**{**T5, **overrides})
-    model = perturb(transformers.T5EncoderModel(config), seed)
+def make_t5_encoder(folder: Path, seed: int = 0, family: str = "T5", **overrides):
+    """Save a seeded random ``T5EncoderModel`` or ``MT5EncoderModel`` (``family`` "MT5";
+    ``feed_forward_proj`` relu or gated-gelu)."""
+    config = getattr(transformers, f"{family}Config")(**{**T5, **overrides})
+    model = perturb(getattr(transformers, f"{family}EncoderModel")(config), seed)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     write_tokenizer(folder, T5_SPECIALS)

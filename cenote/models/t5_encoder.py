@@ -1,0 +1,191 @@
+"""T5 / mT5 encoder stacks (sentence-t5, GTR) over a flat, unpadded token stream.
+
+Pre-norm layers with RMS norms and no biases; attention is unscaled and adds a learned bias per
+head and bucket of relative position (bidirectional buckets: exact for small distances,
+logarithmic up to ``relative_attention_max_distance``), held by the first layer and shared by
+all. The MLP is ``wo(act(wi x))`` or, for ``gated-*`` projections, ``wo(act(wi_0 x) * wi_1 x)``.
+sentence-transformers puts mean pooling and a Dense projection after it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from cenote.config import ModelConfig
+from cenote.models.layers.activation import get_activation
+from cenote.models.layers.attention import Attention, EncoderMaskFn
+from cenote.models.layers.linear import TrunkLinear
+from cenote.models.layers.norm import RMSNorm
+from cenote.models.weights import load_by_name
+
+
+def feed_forward(config: dict[str, Any]) -> tuple[str, bool]:
+    """(activation name, gated) from ``feed_forward_proj`` (``relu``, ``gated-gelu``...)."""
+    projection = config.get("feed_forward_proj", "relu")
+    parts = projection.split("-")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+        raise ValueError(
+            f"T5 feed_forward_proj {projection!r} is not supported; supported: ACT or gated-ACT"
+        )
+    name = parts[-1]
+    if projection == "gated-gelu":
+        name = "gelu_new"  # as transformers' T5Config
+    get_activation(name)  # refuses an unknown activation with the supported list
+    return name, len(parts) == 2
+
+
+def relative_position_bucket(
+    relative_position: torch.Tensor, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """Bidirectional T5 buckets of ``key - query`` distances (as Mesh TensorFlow)."""
+    num_buckets //= 2
+    buckets = (relative_position > 0).to(torch.long) * num_buckets
+    distance = relative_position.abs()
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    large = max_exact + (
+        torch.log(distance.float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+class T5Layer(nn.Module):
+    """``x + o(attn(norm(x)))`` then ``x + wo(mlp(norm(x)))``."""
+
+    def __init__(self, config: dict[str, Any], layer_idx: int) -> None:
+        super().__init__()
+        d_model, heads, d_kv = config["d_model"], config["num_heads"], config["d_kv"]
+        d_ff, eps = config["d_ff"], config.get("layer_norm_epsilon", 1e-6)
+        inner = heads * d_kv
+        self.attn_norm = RMSNorm(d_model, eps)
+        self.qkv = TrunkLinear(d_model, 3 * inner, bias=False)
+        self.attn = Attention(heads, d_kv, heads, layer_idx, 1.0)  # T5 does not scale scores
+        self.o = TrunkLinear(inner, d_model, bias=False)
+        self.mlp_norm = RMSNorm(d_model, eps)
+        name, self.gated = feed_forward(config)
+        self.act = get_activation(name)
+        self.wi = TrunkLinear(d_model, 2 * d_ff if self.gated else d_ff, bias=False)
+        self.wo = TrunkLinear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, mask_fn: EncoderMaskFn) -> torch.Tensor:
+        q, k, v = self.qkv(self.attn_norm(x)).chunk(3, dim=-1)
+        x = x + self.o(self.attn(q, k, v, mask_fn))
+        h = self.wi(self.mlp_norm(x))
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return x + self.wo(h)
+
+
+# checkpoint module (after ``encoder.block.N.``) -> (ours, shard of a stacked weight)
+_LAYER_NAMES: dict[str, tuple[str, int | None]] = {
+    "layer.0.layer_norm": ("attn_norm", None),
+    "layer.0.SelfAttention.q": ("qkv", 0),
+    "layer.0.SelfAttention.k": ("qkv", 1),
+    "layer.0.SelfAttention.v": ("qkv", 2),
+    "layer.0.SelfAttention.o": ("o", None),
+    "layer.1.layer_norm": ("mlp_norm", None),
+    "layer.1.DenseReluDense.wi": ("wi", None),
+    "layer.1.DenseReluDense.wi_0": ("wi", 0),
+    "layer.1.DenseReluDense.wi_1": ("wi", 1),
+    "layer.1.DenseReluDense.wo": ("wo", None),
+}
+
+
+class T5EncoderModel(nn.Module):
+    """``forward(input_ids, positions) -> hidden_states [num_tokens, d_model]`` (after the final
+    norm, as transformers' ``last_hidden_state``)."""
+
+    is_causal = False
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        config = model_config.hf_config
+        self.config = config
+        self.hidden_size = config["d_model"]
+        self.num_buckets = int(config.get("relative_attention_num_buckets", 32))
+        self.max_distance = int(config.get("relative_attention_max_distance", 128))
+        self.embed_tokens = nn.Embedding(config["vocab_size"], self.hidden_size)
+        self.relative_attention_bias = nn.Embedding(self.num_buckets, config["num_heads"])
+        self.layers = nn.ModuleList(T5Layer(config, i) for i in range(config["num_layers"]))
+        self.final_layer_norm = RMSNorm(self.hidden_size, config.get("layer_norm_epsilon", 1e-6))
+
+    def position_bias(self, length: int) -> torch.Tensor:
+        """[heads, length, length] fp32 bias of a request of ``length`` tokens."""
+        positions = torch.arange(length)
+        buckets = relative_position_bucket(
+            positions[None, :] - positions[:, None], self.num_buckets, self.max_distance
+        )
+        return self.relative_attention_bias(buckets).permute(2, 0, 1).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens], unused: positions enter as relative bias
+        token_type_ids: torch.Tensor | None = None,  # unused: T5 has no token types
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        biases: dict[int, torch.Tensor] = {}
+
+        def mask_fn(rows: slice, num_requests: int, length: int) -> torch.Tensor:
+            if length not in biases:
+                biases[length] = self.position_bias(length).to(x.dtype)
+            return biases[length]  # [heads, length, length], the same for every layer
+
+        for layer in self.layers:
+            x = layer(x, mask_fn)
+        return self.final_layer_norm(x)  # [num_tokens, d_model]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_by_name(self, self._stack(weights), self._map_name)
+
+    def _stack(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """Checkpoint q/k/v (and gated wi_0/wi_1) arrive apart; yield them stacked as ours."""
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        for name, tensor in weights:
+            target = self._layer_target(name)
+            if target is None or target[1] is None:
+                yield name, tensor
+                continue
+            ours, shard = target
+            slot = parts.setdefault(ours, {})
+            slot[shard] = tensor
+            if len(slot) == (3 if ours.endswith("qkv.weight") else 2):
+                yield ours, torch.cat([slot[i] for i in sorted(slot)])
+
+    def _layer_target(self, name: str) -> tuple[str, int | None] | None:
+        if not name.startswith("encoder.block."):
+            return None
+        index, rest = name[len("encoder.block.") :].split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        if module == "layer.0.SelfAttention.relative_attention_bias":
+            return None
+        ours, shard = _LAYER_NAMES[module]
+        return f"layers.{index}.{ours}.{kind}", shard
+
+    def _map_name(self, name: str) -> str | None:
+        if name.startswith("layers."):
+            return name  # stacked by ``_stack``
+        if name in ("shared.weight", "encoder.embed_tokens.weight"):
+            return "embed_tokens.weight"
+        if name == "encoder.final_layer_norm.weight":
+            return "final_layer_norm.weight"
+        if name.endswith("layer.0.SelfAttention.relative_attention_bias.weight"):
+            return "relative_attention_bias.weight" if name.startswith("encoder.block.0.") else None
+        target = self._layer_target(name)
+        return None if target is None else target[0]  # None: a decoder or LM head
+
+    def required_parameters(self) -> set[str]:
+        return {name for name, _ in self.named_parameters()}
