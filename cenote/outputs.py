@@ -50,6 +50,37 @@ class ClassificationOutput(PoolingOutput):
 
 
 @dataclass
+class SparseEmbeddingOutput(PoolingOutput):
+    """A sparse (SPLADE) embedding: ``data`` is a sparse COO vector ``[vocab_size]``; its active
+    entries as (token id, weight) pairs, largest weight first."""
+
+    tokens: list[str] | None = None  # decoded ``token_ids``, when asked for
+
+    def _order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.data.coalesce()
+        ids, weights = data.indices()[0], data.values()
+        order = torch.argsort(weights, descending=True, stable=True)
+        return ids[order], weights[order]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._order()[0].tolist()
+
+    @property
+    def weights(self) -> list[float]:
+        return self._order()[1].tolist()
+
+    @property
+    def pairs(self) -> list[tuple[int, float]]:
+        ids, weights = self._order()
+        return list(zip(ids.tolist(), weights.tolist(), strict=True))
+
+    @property
+    def num_active(self) -> int:
+        return int(self.data.coalesce().values().numel())
+
+
+@dataclass
 class ScoringOutput:
     """One similarity or relevance score."""
 

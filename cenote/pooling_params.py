@@ -20,6 +20,7 @@ class PoolingParams:
     truncation_side: Literal["left", "right"] = "right"  # which end truncation cuts
     step_tag_id: int | None = None  # process reward: rows where token == step_tag_id
     returned_token_ids: list[int] | None = None  # process reward: columns to return
+    max_active_dims: int | None = None  # embed_sparse: keep the k largest weights (top-k)
 
     def __post_init__(self) -> None:
         if self.task is not None and self.task not in POOLING_TASKS:
@@ -28,6 +29,14 @@ class PoolingParams:
             not isinstance(self.dimensions, int) or self.dimensions < 1
         ):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+        if self.max_active_dims is not None and (
+            not isinstance(self.max_active_dims, int)
+            or isinstance(self.max_active_dims, bool)
+            or self.max_active_dims < 1
+        ):
+            raise ValueError(
+                f"max_active_dims must be a positive integer, got {self.max_active_dims!r}"
+            )
         if self.truncation_side not in ("left", "right"):
             raise ValueError(
                 f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}"

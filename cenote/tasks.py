@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-PoolingTask = Literal["embed", "token_embed", "classify", "token_classify"]
+# embed_sparse: one (token id, weight) vector over the vocabulary per prompt (SPLADE)
+PoolingTask = Literal["embed", "token_embed", "classify", "token_classify", "embed_sparse"]
 GenerationTask = Literal["generate"]
-SupportedTask = Literal["generate", "embed", "token_embed", "classify", "token_classify"]
+SupportedTask = Literal[
+    "generate", "embed", "token_embed", "classify", "token_classify", "embed_sparse"
+]
 
 POOLING_TASKS: tuple[str, ...] = get_args(PoolingTask)

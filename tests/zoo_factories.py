@@ -134,3 +134,18 @@ def save_cross_encoder(raw: Path, target: Path) -> Path:
 
     CrossEncoder(str(raw), device="cpu").save(str(target))
     return target
+
+
+def save_sparse_encoder(
+    raw: Path, target: Path, strategy: str = "max", activation: str = "relu"
+) -> Path:
+    """A transformers masked LM -> SpladePooling(``strategy``, ``activation``), saved by
+    sentence-transformers' SparseEncoder (a SPLADE folder)."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    transformer = Transformer(str(raw), transformer_task="fill-mask")
+    pooling = SpladePooling(strategy, activation_function=activation)
+    SparseEncoder(modules=[transformer, pooling], device="cpu").save(str(target))
+    return target

@@ -168,6 +168,11 @@ class InputProcessor:
                     f"dimensions must be between 1 and {caps.embedding_size} (the model's "
                     f"embedding size), got {params.dimensions}"
                 )
+        if params.max_active_dims is not None and params.task != "embed_sparse":
+            raise InvalidInputError(
+                f"max_active_dims applies to sparse embeddings (embed_sparse), not to "
+                f"{params.task!r}"
+            )
         self._check_token_task_params(params)
 
     def _check_token_task_params(self, params: PoolingParams) -> None:

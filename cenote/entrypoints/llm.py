@@ -24,6 +24,7 @@ from cenote.outputs import (
     PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
+    SparseEmbeddingOutput,
 )
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import SamplingParams
@@ -106,6 +107,37 @@ class LLM:
         return self._pool(
             prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, EmbeddingOutput
         )
+
+    def embed_sparse(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        max_active_dims: int | None = None,
+        return_tokens: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput[SparseEmbeddingOutput]]:
+        """One sparse (SPLADE) embedding per prompt, in input order: ``outputs.pairs`` are its
+        (token id, weight) pairs, largest first; only the ``max_active_dims`` largest when given;
+        ``outputs.tokens`` are the vocabulary tokens of those ids when ``return_tokens``."""
+        if max_active_dims is not None:
+            pooling_params = [
+                dataclasses.replace(p, max_active_dims=max_active_dims)
+                for p in self._per_prompt(pooling_params, len(_as_list(prompts)), PoolingParams)
+            ]
+        outputs = self._pool(
+            prompts,
+            pooling_params,
+            "embed_sparse",
+            truncate_prompt_tokens,
+            use_tqdm,
+            SparseEmbeddingOutput,
+        )
+        if return_tokens:
+            for out in outputs:
+                out.outputs.tokens = [self.tokenizer.id_to_token(i) for i in out.outputs.token_ids]
+        return outputs
 
     def encode(
         self,

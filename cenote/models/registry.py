@@ -49,6 +49,11 @@ _REGISTRY: dict[str, ModelEntry] = {
     "DistilBertForSequenceClassification": ModelEntry(
         "distilbert", "DistilBertForSequenceClassification", False, ("classify",)
     ),
+    # masked LMs serve sparse (SPLADE) embeddings over their vocabulary logits
+    "BertForMaskedLM": ModelEntry("masked_lm", "BertForMaskedLM", False, ("embed_sparse",)),
+    "DistilBertForMaskedLM": ModelEntry(
+        "distilbert", "DistilBertForMaskedLM", False, ("embed_sparse",)
+    ),
     "ModernBertModel": ModelEntry("modernbert", "ModernBertModel", False, _ENCODER_TASKS),
     "ModernBertForSequenceClassification": ModelEntry(
         "modernbert", "ModernBertForSequenceClassification", False, ("classify",)

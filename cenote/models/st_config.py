@@ -37,6 +37,15 @@ class DenseLayer:
 
 
 @dataclass(frozen=True)
+class SparsePoolingConfig:
+    """sentence-transformers SpladePooling: ``strategy`` (max or sum) over the tokens of
+    ``log1p(relu(mlm_logits))`` (``log1p_relu``: log1p applied twice)."""
+
+    strategy: Literal["max", "sum"]
+    activation: Literal["relu", "log1p_relu"]
+
+
+@dataclass(frozen=True)
 class SentenceTransformerConfig:
     """What sentence-transformers would do around the transformer trunk."""
 
@@ -48,6 +57,7 @@ class SentenceTransformerConfig:
     prompts: dict[str, str] = field(default_factory=dict)  # config_sentence_transformers.json
     default_prompt_name: str | None = None
     similarity_fn_name: str | None = None
+    sparse_pooling: SparsePoolingConfig | None = None  # SparseEncoder: 1_SpladePooling/config.json
 
 
 def _read_json(path: Path) -> dict:
@@ -104,12 +114,24 @@ def _dense_layer(folder: Path) -> DenseLayer:
     )
 
 
+def _splade_pooling(config: dict, where: Path) -> SparsePoolingConfig:
+    strategy = config.get("pooling_strategy", "max")
+    activation = config.get("activation_function", "relu")
+    if strategy not in ("max", "sum") or activation not in ("relu", "log1p_relu"):
+        raise ValueError(
+            f"{where}: unsupported SpladePooling (pooling_strategy {strategy!r}, "
+            f"activation_function {activation!r}); cenote supports max or sum over relu or "
+            "log1p_relu"
+        )
+    return SparsePoolingConfig(strategy, activation)
+
+
 def load_st_config(model_dir: Path) -> SentenceTransformerConfig | None:
     """Parse modules.json and friends; None when the folder is not a sentence-transformers model."""
     modules_path = model_dir / "modules.json"
     if not modules_path.exists():
         return None
-    pooling, normalize, dense = None, False, []
+    pooling, normalize, dense, sparse = None, False, [], None
     for module in _read_json(modules_path):
         kind = module["type"].rsplit(".", 1)[-1]
         folder = model_dir / module.get("path", "")
@@ -119,7 +141,9 @@ def load_st_config(model_dir: Path) -> SentenceTransformerConfig | None:
             normalize = True
         elif kind == "Dense":
             dense.append(_dense_layer(folder))
-        elif kind != "Transformer":
+        elif kind == "SpladePooling":
+            sparse = _splade_pooling(_read_json(folder / "config.json"), folder)
+        elif kind not in ("Transformer", "MLMTransformer"):
             raise ValueError(f"{modules_path}: unsupported sentence-transformers module {kind!r}")
     bert_config = {}
     if (model_dir / "sentence_bert_config.json").exists():
@@ -136,4 +160,5 @@ def load_st_config(model_dir: Path) -> SentenceTransformerConfig | None:
         prompts=dict(st_config.get("prompts") or {}),
         default_prompt_name=st_config.get("default_prompt_name"),
         similarity_fn_name=st_config.get("similarity_fn_name"),
+        sparse_pooling=sparse,
     )

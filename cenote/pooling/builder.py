@@ -14,6 +14,7 @@ from cenote.pooling.activation import classifier_activation
 from cenote.pooling.heads import DenseProjector, EmbeddingHead
 from cenote.pooling.methods import PoolingMethod
 from cenote.pooling.pooler import ClassifierPooler, DispatchPooler, EmbeddingPooler
+from cenote.pooling.sparse import SparsePooler
 from cenote.tasks import PoolingTask
 
 
@@ -108,4 +109,22 @@ def build_pooler(
             if task in entry.tasks:
                 assert task in served, f"{entry.class_name} declares {task} but cannot serve it"
                 poolers[task] = classifier
+    if "embed_sparse" in entry.tasks:
+        poolers["embed_sparse"] = build_sparse_pooler(model_config, model)
     return DispatchPooler(poolers) if poolers else None
+
+
+def build_sparse_pooler(model_config: ModelConfig, model: nn.Module) -> SparsePooler:
+    """SPLADE over the model's masked-LM head (``compute_mlm_logits``): the folder's
+    SpladePooling, else max over log1p(relu) (SPLADE v2+, as text-embeddings-inference);
+    the model's ``max_active_dims`` from config_sentence_transformers.json."""
+    st = model_config.st_config
+    sparse = st.sparse_pooling if st is not None else None
+    strategy, activation = (sparse.strategy, sparse.activation) if sparse else ("max", "relu")
+    return SparsePooler(
+        model.compute_mlm_logits,
+        strategy,
+        activation,
+        model_config.vocab_size,
+        _st_settings(model_config).get("max_active_dims"),
+    )
