@@ -94,7 +94,10 @@ class EngineCore:
         kv_caches = [
             torch.zeros(shape, dtype=self.config.model.dtype) for _ in range(model.num_layers)
         ]
-        manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        # every layer slides: blocks behind the window are freed as requests advance
+        manager = KVCacheManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, model.kv_sliding_window
+        )
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache.block_size)
         return manager, kv_caches
 

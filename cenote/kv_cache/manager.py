@@ -39,15 +39,28 @@ class KVCacheManager:
     then ``allocate_slots(R, num_new_tokens, blocks, n)``; on ``None`` the request cannot run
     now. The scheduler moves ``R.num_computed_tokens`` itself; ``free(R)`` when R finishes or
     is preempted.
+
+    With a ``sliding_window`` (every layer of the model slides), ``allocate_slots`` first frees
+    the blocks no query from ``R.num_computed_tokens`` on can see; their places in the block
+    table become ``None`` (block id -1), which attention never reads.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # request id -> its blocks
+        # request id -> its blocks in token order; None where a block left the sliding window
+        self.req_to_blocks: dict[str, list[KVCacheBlock | None]] = {}
+        self.num_skipped_blocks: dict[str, int] = {}  # request id -> leading blocks freed
         self.num_cached_blocks: dict[str, int] = {}  # request id -> blocks already in the map
         self._total_stats = PrefixCacheStats()  # since start
         self._interval_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
@@ -83,8 +96,10 @@ class KVCacheManager:
         return stats
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """Block ids of the request, in token order (empty if it holds none)."""
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        """Block ids of the request, in token order (empty if it holds none); -1 for blocks
+        freed behind the sliding window."""
+        blocks = self.req_to_blocks.get(request_id, ())
+        return [-1 if block is None else block.block_id for block in blocks]
 
     def get_num_blocks(self, request_id: str) -> int:
         return len(self.req_to_blocks.get(request_id, ()))
@@ -135,6 +150,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         assert not (new_computed_blocks and blocks), "prefix hits only on a request's first step"
 
+        # 0) Sliding window: free the blocks no query from here on can see.
+        if self.sliding_window is not None:
+            self._free_outside_window(request.request_id, request.num_computed_tokens)
+
         # 1) Count the blocks needed; cache hits on free blocks take them out of the free pool.
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = -(-num_tokens // self.block_size)
@@ -167,7 +186,23 @@ class KVCacheManager:
         stays reusable; the sequence's tail blocks are evicted first. Idempotent."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.num_skipped_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(block for block in reversed(blocks) if block is not None)
+
+    def _free_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the request's blocks that end before the window of position
+        ``num_computed_tokens`` (the next query); they keep their prefix-cache content."""
+        blocks = self.req_to_blocks[request_id]
+        first_visible = max(0, num_computed_tokens - self.sliding_window + 1)
+        end = min(first_visible // self.block_size, len(blocks))
+        start = self.num_skipped_blocks.get(request_id, 0)
+        if end <= start:
+            return
+        # cached blocks were entered into the prefix cache when their tokens were allocated
+        assert not self.enable_caching or end <= self.num_cached_blocks.get(request_id, 0)
+        self.block_pool.free_blocks(blocks[start:end])
+        blocks[start:end] = [None] * (end - start)
+        self.num_skipped_blocks[request_id] = end
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached content; False (nothing done) while any request holds blocks."""

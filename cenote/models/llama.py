@@ -3,7 +3,8 @@
 One trunk, ``LlamaModel``, with the variants' differences in ``DecoderOptions``; two heads: a
 language-model head (``*ForCausalLM``) and a sequence-classification head
 (``*ForSequenceClassification``). Checkpoint names are Hugging Face's; q/k/v and gate/up are
-loaded as shards of fused projections.
+loaded as shards of fused projections. Sliding-window layers (Mistral's ``sliding_window``,
+Qwen2's ``use_sliding_window`` / ``max_window_layers``) follow ``models.sliding_window``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cenote.models.layers.attention import Attention
 from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
 from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
+from cenote.models.sliding_window import kv_free_window, layer_windows
 from cenote.models.weights import copy_weight
 
 
@@ -44,22 +46,16 @@ class DecoderOptions:
         return cls(attention_bias, attention_bias, bool(config.get("mlp_bias", False)), False)
 
 
-def check_full_attention(config: dict[str, Any], max_model_len: int) -> None:
-    """Sliding-window attention is not implemented: refuse configs where the window would bite."""
-    window = config.get("sliding_window")
-    layer_types = config.get("layer_types") or []
-    used = config.get("use_sliding_window", True) or "sliding_attention" in layer_types
-    if window is not None and used and int(window) < max_model_len:
-        raise ValueError(
-            f"the model uses sliding-window attention (window {window}) but max_model_len is "
-            f"{max_model_len}; pass max_model_len <= {window} to run it with full attention"
-        )
-
-
 class LlamaAttention(nn.Module):
     """Fused qkv projection, optional per-head q/k norm, RoPE, paged attention, output proj."""
 
-    def __init__(self, config: dict[str, Any], options: DecoderOptions, layer_idx: int) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        options: DecoderOptions,
+        layer_idx: int,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         hidden = config["hidden_size"]
         self.num_heads = config["num_attention_heads"]
@@ -74,7 +70,12 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.get("rms_norm_eps", 1e-6))
             self.k_norm = RMSNorm(self.head_dim, config.get("rms_norm_eps", 1e-6))
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.num_kv_heads, layer_idx, self.head_dim**-0.5
+            self.num_heads,
+            self.head_dim,
+            self.num_kv_heads,
+            layer_idx,
+            self.head_dim**-0.5,
+            sliding_window=sliding_window,
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,11 +105,17 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: dict[str, Any], options: DecoderOptions, layer_idx: int) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        options: DecoderOptions,
+        layer_idx: int,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(config["hidden_size"], eps)
-        self.self_attn = LlamaAttention(config, options, layer_idx)
+        self.self_attn = LlamaAttention(config, options, layer_idx, sliding_window)
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
         self.mlp = LlamaMLP(config, options)
 
@@ -123,8 +130,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: dict[str, Any], options: DecoderOptions) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.windows = layer_windows(config, config["num_hidden_layers"])  # None: full attention
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, i) for i in range(config["num_hidden_layers"])
+            LlamaDecoderLayer(config, options, i, window) for i, window in enumerate(self.windows)
         )
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
         self.rotary = RotaryEmbedding(self.layers[0].self_attn.head_dim, config)
@@ -154,7 +162,8 @@ class LlamaDecoder(nn.Module):
     """Trunk + weight loading shared by the causal-LM and classification models.
 
     ``forward(input_ids [T], positions [T], token_type_ids=None) -> hidden [T, hidden]`` (final
-    norm applied). ``num_layers``, ``num_kv_heads`` and ``head_dim`` size the KV cache.
+    norm applied). ``num_layers``, ``num_kv_heads`` and ``head_dim`` size the KV cache;
+    ``kv_sliding_window`` (set when every layer slides) lets it free blocks behind the window.
     """
 
     is_causal = True
@@ -163,9 +172,9 @@ class LlamaDecoder(nn.Module):
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
         config = model_config.hf_config
-        check_full_attention(config, model_config.max_model_len)
         self.config = config
         self.model = LlamaModel(config, DecoderOptions.for_variant(self.variant, config))
+        self.kv_sliding_window = kv_free_window(self.model.windows)
         attention = self.model.layers[0].self_attn
         self.hidden_size = config["hidden_size"]
         self.num_layers = len(self.model.layers)

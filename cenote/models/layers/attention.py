@@ -22,10 +22,25 @@ class Attention(nn.Module):
 
     ``forward(q, k, v)`` takes ``[num_tokens, heads * head_dim]`` projections of the new tokens of
     every request in the step and returns ``[num_tokens, num_heads * head_dim]``.
+
+    ``sliding_window``: a query sees only keys fewer than this many positions away (causal: itself
+    and the ``sliding_window - 1`` before it; bidirectional: as far on either side).
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma).
+    ``causal``: overrides the step's causal flag without a KV cache (a causal trunk served as an
+    encoder); None follows the step.
     """
 
     def __init__(
-        self, num_heads: int, head_dim: int, num_kv_heads: int, layer_idx: int, scale: float
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        layer_idx: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        causal: bool | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -33,6 +48,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.layer_idx = layer_idx
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
+        self.causal = causal
 
     def forward(
         self,
@@ -55,16 +73,42 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, mask=None
     ) -> torch.Tensor:
         # q: [batch, q_len, heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=causal and mask is None,
-            scale=self.scale,
-            enable_gqa=self.num_kv_heads != self.num_heads,
+        out = self._kernel(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal and mask is None
         )
         return out.transpose(1, 2)  # [batch, q_len, heads, head_dim]
+
+    def _kernel(
+        self,
+        q: torch.Tensor,  # [batch, heads, q_len, dim]
+        k: torch.Tensor,  # [batch, kv_heads, kv_len, dim]
+        v: torch.Tensor,
+        mask: torch.Tensor | None,  # bool (True = attend) or additive, broadcastable to scores
+        causal: bool,  # top-left aligned causal mask (q_len == kv_len), only without ``mask``
+    ) -> torch.Tensor:
+        """SDPA, or with ``softcap`` the same attention written out (SDPA cannot cap scores)."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=causal,
+                scale=self.scale,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [batch, heads, q, kv]
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        elif mask is not None:
+            scores = scores + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
 
     def _attend_without_cache(
         self,
@@ -77,6 +121,7 @@ class Attention(nn.Module):
         """Each request sees only its own tokens; requests of equal length share one kernel call."""
         loc = metadata.query_start_loc
         lens = metadata.query_lens
+        causal = metadata.causal if self.causal is None else self.causal
         out = torch.empty_like(q)
         i = 0
         while i < len(lens):
@@ -90,11 +135,22 @@ class Attention(nn.Module):
                 q[group].view(*shape, self.num_heads, self.head_dim),
                 k[group].view(*shape, self.num_kv_heads, self.head_dim),
                 v[group].view(*shape, self.num_kv_heads, self.head_dim),
-                causal=metadata.causal,
-                mask=None if mask_fn is None else mask_fn(group, j - i + 1, n),
+                causal=causal,
+                mask=mask_fn(group, j - i + 1, n) if mask_fn else self._window_mask(n, causal),
             ).reshape(end - start, self.num_heads, self.head_dim)
             i = j + 1
         return out
+
+    def _window_mask(self, length: int, causal: bool) -> torch.Tensor | None:
+        """[length, length] bool (True = attend) of a sliding-window layer's request of
+        ``length`` tokens, or None where the window does not bite."""
+        window = self.sliding_window
+        if window is None or length <= window:
+            return None
+        positions = torch.arange(length)
+        distance = positions.unsqueeze(1) - positions.unsqueeze(0)  # query - key
+        mask = distance < window if causal else distance.abs() < window
+        return mask & (distance >= 0) if causal else mask
 
     def _attend_paged(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
@@ -106,27 +162,24 @@ class Attention(nn.Module):
         slots[0].index_copy_(1, metadata.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
         slots[1].index_copy_(1, metadata.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
-        plan = metadata.paged
+        if self.sliding_window is None:
+            plan = metadata.paged
+        else:
+            plan = metadata.paged_window(self.sliding_window)
         if plan.all_decode:
             return self._attend_decode(q, kv_cache, plan)
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
             out[plan.decode_rows] = self._attend_decode(q[plan.decode_rows], kv_cache, plan)
         for prefill in plan.prefills:
-            if prefill.mask is None:  # no cached context: the new rows are the whole sequence
+            if not prefill.cached_context:  # the new rows are the whole sequence
                 keys, values = k[prefill.rows].transpose(0, 1), v[prefill.rows].transpose(0, 1)
             else:
                 kv = self._gather(kv_cache, prefill.blocks)[:, :, 0, : prefill.seq_len]
                 keys, values = kv[0], kv[1]  # [kv_heads, seq_len, dim]
             query = q[prefill.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-            result = F.scaled_dot_product_attention(
-                query,
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
-                attn_mask=prefill.mask,
-                is_causal=prefill.mask is None,
-                scale=self.scale,
-                enable_gqa=self.num_kv_heads != self.num_heads,
+            result = self._kernel(
+                query, keys.unsqueeze(0), values.unsqueeze(0), prefill.mask, prefill.mask is None
             )
             out[prefill.rows] = result[0].transpose(0, 1)
         return out
@@ -156,6 +209,8 @@ class Attention(nn.Module):
         query = query.reshape(self.num_kv_heads * batch, group, self.head_dim)
         scores = torch.bmm(query, keys.transpose(1, 2)).float()  # [kv_heads * batch, group, L]
         scores = scores.view(self.num_kv_heads, batch, group, length).mul_(self.scale)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap).mul_(self.softcap)
         scores.masked_fill_(plan.decode_padding[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = torch.bmm(probs.view(-1, group, length), values)  # [kv_heads * batch, group, dim]
