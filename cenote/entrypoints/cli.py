@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from cenote.entrypoints import run_batch
 from cenote.server.state import ServerOptions
 
 logger = logging.getLogger("cenote.serve")
@@ -60,12 +61,15 @@ def _parser() -> argparse.ArgumentParser:
         help="requests queued beyond --max-num-seqs before answering 429",
     )  # fmt: skip
     serve.add_argument("--log-level", default="info")
+    run_batch.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command != "serve":
+        sys.exit(_run_job(parser, args))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -74,6 +78,14 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as e:  # a bad model path or option: no traceback
         parser.exit(2, f"cenote serve: error: {e}\n")
     sys.exit(code)
+
+
+def _run_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """run-batch / embed: bad input (file, line, field, address) exits 1 with the reason."""
+    try:
+        return args.run(args)
+    except (FileNotFoundError, ValueError, ConnectionError) as e:
+        parser.exit(1, f"cenote {args.command}: error: {e}\n")
 
 
 def serve(args: argparse.Namespace) -> int:
