@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -92,6 +93,7 @@ class ModelConfig:
     st_config: SentenceTransformerConfig | None  # sentence-transformers metadata, if any
     served_model_name: str  # the name clients use
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)  # user pooling overrides
+    max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's default)
 
     @classmethod
     def from_path(
@@ -222,6 +224,7 @@ def build_engine_config(
     seed: int = 0,
     convert: ConvertOption = "auto",
     pooler_config: PoolerConfig | dict[str, Any] | None = None,
+    max_logprobs: int = 20,
 ) -> EngineConfig:
     """The whole tree from the user's flat options (``LLM(**kwargs)`` and ``cenote serve``).
 
@@ -237,6 +240,9 @@ def build_engine_config(
         model_config = ModelConfig.from_path(
             model, dtype, max_model_len, overrides, served_model_name, pooler_config
         )
+    if max_logprobs < 0:
+        raise ValueError(f"max_logprobs must be non-negative, got {max_logprobs}")
+    model_config = dataclasses.replace(model_config, max_logprobs=max_logprobs)
     entry = get_entry(model_config.architecture)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(8192, model_config.max_model_len)

@@ -21,3 +21,15 @@ class UnknownArchitectureError(CenoteError, ValueError):
 
 class EngineDeadError(CenoteError, RuntimeError):
     """The engine core stopped; no more requests can be served."""
+
+
+class RequestRejectedError(InvalidInputError):
+    """The engine core refused a request as given (e.g. it can never fit one step)."""
+
+
+class RequestFailedError(CenoteError, RuntimeError):
+    """A request failed inside the engine (a bug, not the client's input); the engine goes on."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id

@@ -7,6 +7,8 @@ from enum import IntEnum
 
 # Temperatures below this are treated as greedy decoding.
 GREEDY_TEMPERATURE = 1e-5
+# integers cross the process boundary as int64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingType(IntEnum):
@@ -79,6 +81,18 @@ class SamplingParams:
             _check(value is None or value >= 0, f"{name} must be non-negative, got {value}")
         bad_ids = [t for t in self.stop_token_ids if t < 0]
         _check(not bad_ids, f"stop_token_ids must be non-negative, got {bad_ids}")
+        big_ids = [t for t in self.stop_token_ids if t > INT64_MAX]
+        _check(not big_ids, f"stop_token_ids must be below 2**63, got {big_ids}")
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or value <= INT64_MAX,
+                f"{name} must be at most 2**63 - 1, got {value}",
+            )
+        _check(
+            self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
+            f"seed must be a 64-bit signed integer, got {self.seed}",
+        )
         for token_id, bias in (self.logit_bias or {}).items():
             _check(token_id >= 0, f"logit_bias token ids must be non-negative, got {token_id}")
             _check(-100 <= bias <= 100, f"logit_bias values must be in [-100, 100], got {bias}")

@@ -35,7 +35,7 @@ from cenote.engine.ipc import (
     output_decoder,
 )
 from cenote.engine.messages import EngineCoreRequest, SchedulerStats
-from cenote.engine.output_processor import OutputProcessor
+from cenote.engine.output_processor import OutputProcessor, RequestFailure
 from cenote.errors import EngineDeadError
 from cenote.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 
@@ -168,8 +168,6 @@ class AsyncEngineClient:
                 output = await queue.get()
                 if isinstance(output, Exception):
                     raise output
-                if output.outputs.data is None:
-                    raise EngineDeadError(f"the engine core rejected request {output.request_id}")
                 results.append(output)
             return results
         finally:
@@ -228,7 +226,7 @@ class AsyncEngineClient:
             for output in outputs:
                 queue = self.queues.get(output.request_id)
                 if queue is not None:
-                    queue.put_nowait(output)
+                    queue.put_nowait(output.error if isinstance(output, RequestFailure) else output)
             if to_abort:
                 self._send(AbortRequests(request_ids=to_abort))
             if self.on_step is not None:

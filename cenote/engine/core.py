@@ -9,7 +9,13 @@ import torch
 
 from cenote.config import EngineConfig
 from cenote.engine.input_processor import ModelCapabilities, ScoreType
-from cenote.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from cenote.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestError,
+    SchedulerStats,
+)
 from cenote.kv_cache.manager import KVCacheManager, num_blocks_for_memory
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
@@ -17,6 +23,7 @@ from cenote.models.registry import get_entry
 from cenote.pooling.builder import build_pooler
 from cenote.pooling.pooler import ClassifierPooler
 from cenote.runner.model_runner import ModelRunner
+from cenote.scheduler.output import SchedulerOutput
 from cenote.scheduler.request import Request, RequestStatus
 from cenote.scheduler.scheduler import Scheduler
 
@@ -24,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # upper bound of the KV cache when no budget is given (~46k tokens of SmolLM2 in bf16)
 _DEFAULT_KV_BYTES = 1 << 30
+# this many failed steps in a row: the core itself is broken, not one request
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class EngineCore:
@@ -60,6 +69,7 @@ class EngineCore:
             max_model_len=model_config.max_model_len,
         )
         self.capabilities = self._capabilities(entry.tasks, embedding, poolers)
+        self._consecutive_failures = 0
 
     def _capabilities(self, tasks, embedding, poolers) -> ModelCapabilities:
         model_config = self.config.model
@@ -124,15 +134,37 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
+        """schedule -> execute -> update. A step that raises fails only its own requests (each
+        gets an error output naming the cause, its blocks are freed) and the engine goes on;
+        ``_MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a row mean the core itself is broken,
+        and the exception propagates."""
         # 1) schedule
         scheduler_output = self.scheduler.schedule()
-        # 2) execute
-        runner_output = self.runner.execute(scheduler_output)
-        # 3) update
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        try:
+            # 2) execute
+            runner_output = self.runner.execute(scheduler_output)
+            # 3) update
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self._consecutive_failures = 0
+        except Exception as e:
+            self._consecutive_failures += 1
+            if self._consecutive_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            outputs = self._fail_step(scheduler_output, e)
         return EngineCoreOutputs(
             outputs=outputs, stats=self._stats(scheduler_output.total_num_scheduled_tokens)
         )
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list:
+        """Finish every request of a failed step with an error output."""
+        request_ids = [s.request_id for s in scheduler_output.scheduled]
+        logger.exception("step failed for requests %s", request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        cause = RequestError("failed", f"{type(error).__name__}: {error}")
+        return [
+            EngineCoreOutput(request_id=request_id, finish_reason="error", error=cause)
+            for request_id in request_ids
+        ]
 
     def _stats(self, num_scheduled_tokens: int) -> SchedulerStats:
         manager = self.kv_cache_manager
@@ -144,6 +176,16 @@ class EngineCore:
             prefix_cache_queries=manager.queries if manager is not None else 0,
             prefix_cache_hits=manager.hits if manager is not None else 0,
         )
+
+
+def refused_output(request_id: str, error: Exception) -> EngineCoreOutput:
+    """The output of a request the core would not add: a ``ValueError`` is about the request
+    as given (the client's to fix), anything else is a failure of the core."""
+    code = "refused" if isinstance(error, ValueError) else "failed"
+    cause = RequestError(
+        code, str(error) if code == "refused" else f"{type(error).__name__}: {error}"
+    )
+    return EngineCoreOutput(request_id=request_id, finish_reason="error", error=cause)
 
 
 def _label_names(hf_config: dict, num_labels: int | None) -> tuple[str, ...] | None:

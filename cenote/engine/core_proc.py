@@ -15,7 +15,7 @@ import traceback
 import zmq
 
 from cenote.config import EngineConfig
-from cenote.engine.core import EngineCore
+from cenote.engine.core import EngineCore, refused_output
 from cenote.engine.ipc import (
     AbortRequests,
     AddRequests,
@@ -102,11 +102,9 @@ class _CoreLoop:
                 for request in message.requests:
                     try:
                         self.engine.add_request(request)
-                    except Exception:
-                        logger.exception("could not add request %s", request.request_id)
-                        failed.append(
-                            EngineCoreOutput(request_id=request.request_id, finish_reason="abort")
-                        )
+                    except Exception as e:
+                        logger.warning("refused request %s: %s", request.request_id, e)
+                        failed.append(refused_output(request.request_id, e))
             elif isinstance(message, AbortRequests):
                 self.engine.abort_requests(message.request_ids)
             elif isinstance(message, Shutdown):

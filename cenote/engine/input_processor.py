@@ -11,8 +11,9 @@ from tokenizers import Tokenizer
 from cenote.config import ModelConfig
 from cenote.engine.messages import EngineCoreRequest
 from cenote.errors import InvalidInputError, UnsupportedTaskError
+from cenote.models.colbert import TextRole, colbert_prompts
 from cenote.pooling_params import PoolingParams
-from cenote.sampling_params import SamplingParams
+from cenote.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 ScoreType = Literal["cross_encoder", "bi_encoder", "late_interaction"]
 PromptType = str | dict[str, Any]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
@@ -51,6 +52,7 @@ class InputProcessor:
         st = model_config.st_config
         self.do_lower_case = bool(st and st.do_lower_case)
         self.default_prompt = ""
+        self.colbert = colbert_prompts(model_config, tokenizer)  # None: not ColBERT
         if st is not None and st.default_prompt_name:
             self.default_prompt = st.prompts.get(st.default_prompt_name, "")
 
@@ -64,9 +66,11 @@ class InputProcessor:
         add_special_tokens: bool = True,
         is_pooling: bool = True,
         indices: Sequence[int] | None = None,
+        role: TextRole = "document",
     ) -> list[TokenizedPrompt]:
         """Tokenize a batch; texts go through the fast tokenizer in one call. ``indices`` are the
-        prompts' positions in the user's list (for error messages)."""
+        prompts' positions in the user's list (for error messages). A ColBERT model formats
+        pooled texts as a query or a document (``role``); other models ignore it."""
         indices = list(indices) if indices is not None else list(range(len(prompts)))
         max_length = self._truncation_length(truncate_prompt_tokens)
         texts: list[tuple[int, str]] = []
@@ -87,11 +91,16 @@ class InputProcessor:
                     "'prompt' (text) or 'prompt_token_ids' (list of ints)"
                 )
         if texts:
+            colbert = self.colbert if is_pooling else None
+            if colbert is not None:  # the marker after [CLS] takes one of the tokens
+                limit = colbert.max_length(role) - 1
+                max_length = limit if max_length is None else min(max_length - 1, limit)
             encoded = self._encode(
                 [t for _, t in texts], max_length, truncation_side, add_special_tokens, is_pooling
             )
             for (i, text), enc in zip(texts, encoded, strict=True):
-                results[i] = TokenizedPrompt(text, list(enc.ids))
+                ids = list(enc.ids) if colbert is None else colbert.format(list(enc.ids), role)
+                results[i] = TokenizedPrompt(text, ids)
         for i, result in enumerate(results):
             self._check_length(result.prompt_token_ids, indices[i], truncate_prompt_tokens)
         return results
@@ -271,3 +280,23 @@ class InputProcessor:
             eos_token_id=self.capabilities.eos_token_id,
             priority=priority,
         )
+        max_logprobs = min(self.model_config.max_logprobs, self.model_config.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise InvalidInputError(
+                    f"{name}={value} is more than this server allows ({max_logprobs}, max_logprobs)"
+                )
+        vocab = self.model_config.vocab_size
+        for field_name, ids in (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("stop_token_ids", params.stop_token_ids or []),
+        ):
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise InvalidInputError(
+                    f"{field_name} has token ids outside the vocabulary (size {vocab}): "
+                    f"{outside[:5]}"
+                )
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise InvalidInputError(f"priority must be a 64-bit signed integer, got {priority}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -35,6 +36,14 @@ class LogprobsLists:
 
 
 @dataclass
+class RequestError:
+    """Why the core finished a request without a result."""
+
+    code: Literal["refused", "failed"]  # refused: cannot run as given; failed: its step raised
+    message: str  # the cause, with the numbers
+
+
+@dataclass
 class EngineCoreOutput:
     """What one step produced for one request."""
 
@@ -43,9 +52,10 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None  # for new_token_ids, if asked
     new_prompt_logprobs: LogprobsLists | None = None  # for prompt positions computed this step
     pooling_output: torch.Tensor | None = None  # pooled result, when a pooling request finishes
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None if running
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: RequestError | None = None  # set when finish_reason is "error"
 
     @property
     def finished(self) -> bool:

@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from cenote.engine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsLists
+from cenote.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    LogprobsLists,
+    RequestError,
+)
+from cenote.errors import RequestFailedError, RequestRejectedError
 from cenote.outputs import (
     CompletionOutput,
     Logprob,
@@ -17,6 +23,23 @@ from cenote.outputs import (
 )
 from cenote.sampling.detokenizer import IncrementalDetokenizer, check_stop_strings
 from cenote.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestFailure:
+    """A user request the engine finished with an error instead of a result."""
+
+    request_id: str  # the user request id
+    error: Exception  # RequestRejectedError (the input's fault) or RequestFailedError (a bug)
+    finished: bool = True
+
+
+def _as_exception(error: RequestError, request_id: str) -> Exception:
+    if error.code == "refused":
+        return RequestRejectedError(error.message)
+    return RequestFailedError(
+        f"request {request_id} failed in the engine: {error.message}", request_id
+    )
 
 
 @dataclass
@@ -93,14 +116,20 @@ class OutputProcessor:
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
-        """Returns (updated user outputs, engine request ids to abort because a stop string hit)."""
-        updated: dict[str, RequestOutput | PoolingRequestOutput] = {}
+    ) -> tuple[list[RequestOutput | PoolingRequestOutput | RequestFailure], list[str]]:
+        """Returns (updated user outputs, engine request ids to abort because a stop string hit
+        or a sibling completion failed). A request the core finished with an error comes back
+        as a ``RequestFailure`` (its exception) and is forgotten."""
+        updated: dict[str, RequestOutput | PoolingRequestOutput | RequestFailure] = {}
         to_abort: list[str] = []
         for out in outputs:
             user_id = self.parent_of.get(out.request_id)
             if user_id is None:
                 continue  # aborted earlier
+            if out.error is not None:
+                updated[user_id] = RequestFailure(user_id, _as_exception(out.error, user_id))
+                to_abort.extend(i for i in self.abort(user_id) if i != out.request_id)
+                continue
             state = self.states[user_id]
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if state.output_class is not None:

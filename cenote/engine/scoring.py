@@ -89,11 +89,15 @@ def cosine_scores(queries: list[torch.Tensor], documents: list[torch.Tensor]) ->
 
 def maxsim_scores(queries: list[torch.Tensor], documents: list[torch.Tensor]) -> list[float]:
     """Late interaction (ColBERT): for each query token the best document token's dot product,
-    summed over query tokens. Inputs: ``[num_tokens, dim]`` per text, fp32."""
-    return [
-        (q.float() @ d.float().T).max(dim=-1).values.sum().item()
-        for q, d in zip(queries, documents, strict=True)
-    ]
+    summed over query tokens. Inputs: ``[num_tokens, dim]`` per text, fp32. All-zero document
+    rows are tokens the model leaves out (ColBERT's punctuation) and never match."""
+    scores = []
+    for q, d in zip(queries, documents, strict=True):
+        d = d.float()
+        kept = d[d.abs().sum(dim=-1) > 0]  # [num_kept, dim]
+        d = kept if len(kept) else d
+        scores.append((q.float() @ d.T).max(dim=-1).values.sum().item())
+    return scores
 
 
 # ---- the plan of one score call ---------------------------------------------------------------
@@ -227,8 +231,8 @@ def _plan_embedding(
     query_index: dict[str, int] = {}
     for query, _ in pairs:
         query_index.setdefault(query, len(query_index))
-    queries = processor.tokenize(list(query_index), truncate_prompt_tokens)
-    documents = processor.tokenize([d for _, d in pairs], doc_truncate)
+    queries = processor.tokenize(list(query_index), truncate_prompt_tokens, role="query")
+    documents = processor.tokenize([d for _, d in pairs], doc_truncate, role="document")
     num_queries = len(queries)
     return ScorePlan(
         prompts=queries + documents,

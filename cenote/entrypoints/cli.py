@@ -150,6 +150,7 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         handled = (signal.SIGINT, signal.SIGTERM)
+        max_logprobs=args.max_logprobs,
         originals = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
         try:
             yield

@@ -14,7 +14,7 @@ from cenote.engine import scoring
 from cenote.engine.chat import render_chat, special_token_variables
 from cenote.engine.core import EngineCore
 from cenote.engine.input_processor import InputProcessor, PromptType
-from cenote.engine.output_processor import OutputProcessor
+from cenote.engine.output_processor import OutputProcessor, RequestFailure
 from cenote.engine.tokenizer import load_chat_template, load_tokenizer
 from cenote.models.registry import ConvertOption
 from cenote.outputs import (
@@ -59,6 +59,7 @@ class LLM:
         seed: int = 0,
         convert: ConvertOption = "auto",
         pooler_config: PoolerConfig | dict[str, Any] | None = None,
+        max_logprobs: int = 20,
     ) -> None:
         self.config = build_engine_config(
             model,
@@ -77,6 +78,7 @@ class LLM:
             seed=seed,
             convert=convert,
             pooler_config=pooler_config,
+            max_logprobs=max_logprobs,
         )
         model_config = self.config.model
         self.engine = EngineCore(self.config)
@@ -352,6 +354,8 @@ class LLM:
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 for output in outputs:
+                    if isinstance(output, RequestFailure):
+                        raise output.error
                     if output.finished and output.request_id in pending:
                         pending.discard(output.request_id)
                         finished[output.request_id] = output

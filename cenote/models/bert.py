@@ -9,7 +9,7 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
-from cenote.models.layers.attention import Attention
+from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.linear import TrunkLinear
 from cenote.models.weights import copy_weight
 
@@ -54,9 +54,9 @@ class BertLayer(nn.Module):
         self.output = TrunkLinear(config["intermediate_size"], hidden)
         self.output_norm = nn.LayerNorm(hidden, eps=eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask_fn: EncoderMaskFn | None = None) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        x = self.attn_norm(x + self.attn_out(self.attn(q, k, v)))
+        x = self.attn_norm(x + self.attn_out(self.attn(q, k, v, mask_fn)))
         return self.output_norm(x + self.output(self.act(self.intermediate(x))))
 
 

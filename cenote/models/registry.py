@@ -61,6 +61,8 @@ _REGISTRY: dict[str, ModelEntry] = {
     "NomicBertModel": ModelEntry("nomic_bert", "NomicBertModel", False, _ENCODER_TASKS),
     "T5EncoderModel": ModelEntry("t5_encoder", "T5EncoderModel", False, _ENCODER_TASKS),
     "MT5EncoderModel": ModelEntry("t5_encoder", "T5EncoderModel", False, _ENCODER_TASKS),
+    # colbert-ai checkpoints: BERT + linear, token vectors for late interaction (MaxSim)
+    "HF_ColBERT": ModelEntry("colbert", "HFColBERT", False, ("token_embed",)),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "MistralForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "Qwen2ForCausalLM": ModelEntry("llama", "Qwen2ForCausalLM", True, _DECODER_TASKS),

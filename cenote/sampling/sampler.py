@@ -199,6 +199,7 @@ def gather_logprobs(
     logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
 ) -> LogprobsTensors:
     """The logprob and rank of ``token_ids`` [num_rows] plus each row's top ``num_logprobs``."""
+    num_logprobs = min(num_logprobs, logprobs.shape[-1])  # the edge bounds it; never crash here
     topk_logprobs, topk_ids = torch.topk(logprobs, num_logprobs, dim=-1)
     token_ids = token_ids.to(torch.int64).unsqueeze(1)  # [num_rows, 1]
     token_logprobs = logprobs.gather(-1, token_ids)  # [num_rows, 1]

@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_POOLED = 6
+    FINISHED_ERROR = 7  # its step raised; the request gets an error output
 
     @property
     def is_finished(self) -> bool:
@@ -32,6 +33,7 @@ FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_POOLED: "stop",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

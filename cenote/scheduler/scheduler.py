@@ -40,6 +40,8 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
         if not self._can_chunk(request) and request.num_tokens > self.config.max_num_batched_tokens:
             raise ValueError(
                 f"request {request.request_id} has {request.num_tokens} tokens and cannot be "

@@ -1,0 +1,221 @@
+"""ColBERT late-interaction checkpoints as colbert-ai writes them (``HF_ColBERT``): a BERT trunk
+under ``bert.`` and ``linear`` (no bias) projecting every token to the ColBERT dimension.
+
+Settings come from the folder's ``artifact.metadata`` (colbert-ai's ``ColBERTConfig``), with
+colbert-ai's defaults where it is absent. As colbert-ai encodes them:
+
+- a query is ``[CLS] [Q] tokens [SEP]`` padded to ``query_maxlen`` with ``[MASK]`` (query
+  augmentation); unless ``attend_to_mask_tokens``, no token attends to those ``[MASK]`` rows, but
+  they are embedded and take part in MaxSim;
+- a document is ``[CLS] [D] tokens [SEP]`` cut to ``doc_maxlen``; with ``mask_punctuation`` its
+  punctuation rows are zero vectors (MaxSim leaves them out).
+
+``[Q]`` / ``[D]`` are vocabulary tokens (``[unused0]`` / ``[unused1]`` by default). The model
+tells queries from documents by the marker at position 1, so a request carries its role in its
+tokens. Every token vector is L2-normalized by the embedding head.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tokenizers import Tokenizer
+
+from cenote.config import ModelConfig
+from cenote.models.bert import BertModel
+from cenote.models.layers.attention import EncoderMaskFn
+from cenote.models.layers.linear import TrunkLinear
+
+TextRole = Literal["query", "document"]
+COLBERT_ARCHITECTURES = ("HF_ColBERT",)
+SUPPORTED_SIMILARITY = ("cosine",)
+SUPPORTED_INTERACTION = ("colbert",)
+
+
+@dataclass(frozen=True)
+class ColBERTSettings:
+    """What colbert-ai's ``ColBERTConfig`` says about encoding texts."""
+
+    query_token: str = "[unused0]"  # vocabulary token of the [Q] marker
+    doc_token: str = "[unused1]"  # vocabulary token of the [D] marker
+    query_maxlen: int = 32  # queries are padded (with [MASK]) or cut to this many tokens
+    doc_maxlen: int = 220  # documents are cut to this many tokens
+    dim: int = 128  # output size of ``linear``
+    attend_to_mask_tokens: bool = False  # whether tokens attend to the query's [MASK] padding
+    mask_punctuation: bool = True  # whether documents' punctuation is left out of MaxSim
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ColBERTSettings:
+        path = folder / "artifact.metadata"
+        metadata: dict[str, Any] = {}
+        if path.exists():
+            with open(path, encoding="utf-8") as f:
+                metadata = json.load(f)
+        for key, supported in (
+            ("similarity", SUPPORTED_SIMILARITY),
+            ("interaction", SUPPORTED_INTERACTION),
+        ):
+            value = metadata.get(key, supported[0])
+            if value not in supported:
+                raise ValueError(
+                    f"{path}: ColBERT {key} {value!r} is not supported; supported: "
+                    f"{', '.join(supported)}"
+                )
+        defaults = cls()
+        return cls(
+            query_token=metadata.get("query_token_id", defaults.query_token),
+            doc_token=metadata.get("doc_token_id", defaults.doc_token),
+            query_maxlen=int(metadata.get("query_maxlen", defaults.query_maxlen)),
+            doc_maxlen=int(metadata.get("doc_maxlen", defaults.doc_maxlen)),
+            dim=int(metadata.get("dim", defaults.dim)),
+            attend_to_mask_tokens=bool(
+                metadata.get("attend_to_mask_tokens", defaults.attend_to_mask_tokens)
+            ),
+            mask_punctuation=bool(metadata.get("mask_punctuation", defaults.mask_punctuation)),
+        )
+
+
+@dataclass(frozen=True)
+class ColBERTTokens:
+    """The token ids ColBERT's encoding needs, from the folder's tokenizer."""
+
+    cls_id: int
+    sep_id: int
+    mask_id: int
+    query_marker_id: int
+    doc_marker_id: int
+    skiplist: frozenset[int]  # first token of each punctuation character (colbert-ai's list)
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, settings: ColBERTSettings) -> ColBERTTokens:
+        def token_id(token: str) -> int:
+            found = tokenizer.token_to_id(token)
+            if found is None:
+                raise ValueError(f"ColBERT token {token!r} is not in the tokenizer's vocabulary")
+            return found
+
+        skiplist = set()
+        for symbol in string.punctuation:
+            ids = tokenizer.encode(symbol, add_special_tokens=False).ids
+            if ids:
+                skiplist.add(ids[0])
+        return cls(
+            cls_id=token_id("[CLS]"),
+            sep_id=token_id("[SEP]"),
+            mask_id=token_id("[MASK]"),
+            query_marker_id=token_id(settings.query_token),
+            doc_marker_id=token_id(settings.doc_token),
+            skiplist=frozenset(skiplist),
+        )
+
+
+class ColBERTPrompts:
+    """Turns tokenized texts into ColBERT queries or documents (what colbert-ai's
+    ``QueryTokenizer`` / ``DocTokenizer`` produce)."""
+
+    def __init__(self, settings: ColBERTSettings, tokens: ColBERTTokens) -> None:
+        self.settings = settings
+        self.tokens = tokens
+
+    def max_length(self, role: TextRole) -> int:
+        """Tokens of a formatted text, the marker included."""
+        return self.settings.query_maxlen if role == "query" else self.settings.doc_maxlen
+
+    def format(self, ids: list[int], role: TextRole) -> list[int]:
+        """``ids``: ``[CLS] tokens [SEP]`` cut to ``max_length(role) - 1`` -> the marker after
+        ``[CLS]``; queries padded with ``[MASK]`` to ``query_maxlen``."""
+        marker = self.tokens.query_marker_id if role == "query" else self.tokens.doc_marker_id
+        formatted = [ids[0], marker, *ids[1:]]
+        if role == "query":
+            formatted += [self.tokens.mask_id] * (self.settings.query_maxlen - len(formatted))
+        return formatted
+
+
+def colbert_prompts(model_config: ModelConfig, tokenizer: Tokenizer) -> ColBERTPrompts | None:
+    """The query / document formatting of a ColBERT model; None for any other model."""
+    if model_config.architecture not in COLBERT_ARCHITECTURES:
+        return None
+    settings = ColBERTSettings.from_folder(model_config.path)
+    return ColBERTPrompts(settings, ColBERTTokens.of(tokenizer, settings))
+
+
+class HFColBERT(BertModel):
+    """``forward(input_ids, positions, token_type_ids) -> [num_tokens, dim]``: BERT, then
+    ``linear``; the [MASK] padding of queries hidden from attention and documents' punctuation
+    rows zeroed, as colbert-ai does."""
+
+    checkpoint_prefixes = ("bert.",)
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        self.settings = ColBERTSettings.from_folder(model_config.path)
+        tokenizer = Tokenizer.from_file(str(model_config.path / "tokenizer.json"))
+        self.tokens = ColBERTTokens.of(tokenizer, self.settings)
+        self.linear = TrunkLinear(self.hidden_size, self.settings.dim, bias=False)
+        self.hidden_size = self.settings.dim  # what the pooler receives
+        # a plain tensor, not a buffer: ``to_empty`` after the meta-device build keeps it
+        self.skiplist = torch.tensor(sorted(self.tokens.skiplist), device="cpu")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens], 0-based within each request
+        token_type_ids: torch.Tensor | None = None,  # [num_tokens]
+    ) -> torch.Tensor:
+        # 1) each row's role, from its request's marker at position 1
+        request = torch.cumsum(positions == 0, dim=0) - 1  # [num_tokens]
+        num_requests = int(request[-1]) + 1
+        marker = torch.full((num_requests,), -1, dtype=input_ids.dtype)
+        second = positions == 1
+        marker[request[second]] = input_ids[second]
+        is_query = (marker == self.tokens.query_marker_id)[request]
+        is_document = (marker == self.tokens.doc_marker_id)[request]
+        # 2) trunk, the query's [MASK] padding hidden from attention
+        mask_fn = None
+        if not self.settings.attend_to_mask_tokens:
+            mask_fn = _key_mask_fn(is_query & self._after_sep(input_ids, positions, request))
+        x = self.embeddings(input_ids, positions, token_type_ids)
+        for layer in self.layers:
+            x = layer(x, mask_fn)
+        # 3) project; documents' punctuation rows become zeros
+        x = self.linear(x)  # [num_tokens, dim]
+        if self.settings.mask_punctuation:
+            dropped = is_document & torch.isin(input_ids, self.skiplist.to(input_ids.device))
+            x = x.masked_fill(dropped.unsqueeze(1), 0.0)
+        return x
+
+    def _after_sep(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, request: torch.Tensor
+    ) -> torch.Tensor:
+        """[num_tokens] bool: a [MASK] after its request's first [SEP] (query augmentation)."""
+        is_sep = (input_ids == self.tokens.sep_id).long()
+        seps_before = torch.cumsum(is_sep, dim=0) - is_sep  # [SEP]s before each row, stream-wide
+        at_start = seps_before[positions == 0]  # ... before each request
+        after = (seps_before - at_start[request]) > 0
+        return after & (input_ids == self.tokens.mask_id)
+
+    def _map_name(self, name: str) -> tuple[str, int | None] | None:
+        if name == "linear.weight":
+            return name, None
+        return super()._map_name(name)
+
+
+def _key_mask_fn(hidden_keys: torch.Tensor) -> EncoderMaskFn | None:
+    """Attention masks that hide the keys ``hidden_keys`` ([num_tokens] bool) from every query;
+    None when no key is hidden."""
+    if not bool(hidden_keys.any()):
+        return None
+    visible = ~hidden_keys
+
+    def mask_fn(rows: slice, num_requests: int, length: int) -> torch.Tensor | None:
+        keys = visible[rows]
+        if bool(keys.all()):
+            return None
+        return keys.view(num_requests, 1, 1, length)  # [requests, 1, 1, length] bool
+
+    return mask_fn
