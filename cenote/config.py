@@ -116,8 +116,8 @@ class ModelConfig:
             if max_model_len > limit:
                 raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
             limit = max_model_len
-        name = served_model_name or (
-            "sentence-transformers/all-MiniLM-L6-v2" if model is None else str(model)
+        name = served_model_name or (  # a name, never a path of this machine
+            "sentence-transformers/all-MiniLM-L6-v2" if model is None else path.name
         )
         return cls(
             path=path,

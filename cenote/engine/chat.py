@@ -14,6 +14,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from cenote.errors import InvalidInputError
 
 ChatMessage = dict[str, Any]  # {"role": ..., "content": ...}
+ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's roles; others refused
 
 
 def _raise_exception(message: str) -> None:
@@ -37,29 +38,80 @@ def render_chat(
     template: str | None,
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     **variables: Any,
 ) -> str:
     """The prompt text for ``messages``. Templates run sandboxed: no attribute access to Python
-    internals, no file or network access."""
+    internals, no file or network access. Roles are OpenAI's; content is a string or a list of
+    text parts (joined with newlines). ``continue_final_message`` ends the prompt right after the
+    last message's content, so the model continues it."""
     if template is None:
         raise InvalidInputError(
             "the model has no chat template; pass chat_template=... or use generate() with text"
         )
-    _check_messages(messages)
+    if continue_final_message and add_generation_prompt:
+        raise InvalidInputError(
+            "continue_final_message and add_generation_prompt cannot both be true: "
+            "set add_generation_prompt to false to continue the last message"
+        )
+    messages = normalize_messages(messages)
     try:
-        return _compile(template).render(
+        text = _compile(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
     except TemplateError as e:
         raise InvalidInputError(f"chat template failed: {e}") from e
+    return _open_final_message(text, messages[-1]) if continue_final_message else text
 
 
-def _check_messages(messages: Any) -> None:
+def normalize_messages(messages: Any) -> list[ChatMessage]:
+    """Checked copies of ``messages`` with text content: roles in ``ROLES``; content a string,
+    null, or OpenAI content parts (``[{"type": "text", "text": ...}]``, joined by newlines)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("messages must be a non-empty list of {'role', 'content'} dicts")
+    normalized = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise InvalidInputError(f"message {i} must be a dict with a 'role' and a 'content'")
+        role = message["role"]
+        if role not in ROLES:
+            raise InvalidInputError(
+                f"message {i} has role {role!r:.40}; the roles are {', '.join(ROLES)}"
+            )
+        normalized.append({**message, "content": _text_content(message.get("content"), i)})
+    return normalized
+
+
+def _text_content(content: Any, index: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidInputError(
+            f"message {index}: content must be a string or a list of content parts, "
+            f"got {type(content).__name__}"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+            raise InvalidInputError(
+                f"message {index}: content part {j} has type {kind!r:.40}; this model reads "
+                "text parts only ({'type': 'text', 'text': ...})"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _open_final_message(text: str, final: ChatMessage) -> str:
+    """``text`` cut right after the final message's content (the end-of-turn tokens go)."""
+    content = (final.get("content") or "").strip()
+    position = text.rfind(content) if content else -1
+    if position < 0:
+        raise InvalidInputError(
+            "continue_final_message needs a last message with non-empty content that the chat "
+            "template writes out verbatim"
+        )
+    return text[: position + len(content)]
 
 
 def render_template(template: str, **variables: Any) -> str:

@@ -177,6 +177,12 @@ class InputProcessor:
                     f"dimensions must be between 1 and {caps.embedding_size} (the model's "
                     f"embedding size), got {params.dimensions}"
                 )
+            allowed = self.model_config.hf_config.get("matryoshka_dimensions")
+            if allowed and params.dimensions not in allowed:
+                raise InvalidInputError(
+                    f"dimensions must be one of the model's matryoshka_dimensions {allowed}, "
+                    f"got {params.dimensions}"
+                )
         if params.max_active_dims is not None and params.task != "embed_sparse":
             raise InvalidInputError(
                 f"max_active_dims applies to sparse embeddings (embed_sparse), not to "

@@ -113,6 +113,7 @@ class ScorePlan:
     query_rows: list[int]  # per pair: the row of its query (or of the pair) in ``prompts``
     document_rows: list[int] | None  # per pair: the row of its document; None: cross-encoder
     late_interaction: bool = False  # MaxSim over token embeddings instead of cosine
+    num_truncated_documents: int = 0  # documents cut (to fit, or to max_tokens_per_doc)
 
     def scores(self, outputs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
         """One ``ScoringOutput`` per pair, in pair order, from the outputs of ``prompts``."""
@@ -146,10 +147,13 @@ def plan_scores(
     max_tokens_per_doc: int | None = None,
     instruction: str | None = None,
     use_activation: bool | None = None,
+    fit_documents: bool = False,
 ) -> ScorePlan:
     """Validate and tokenize the requests that score ``pairs`` on the processor's model.
     ``max_tokens_per_doc`` cuts documents only; ``truncate_prompt_tokens`` cuts whole prompts
-    (for a cross-encoder pair, the document side)."""
+    (for a cross-encoder pair, the document side). ``fit_documents`` (rerank, as Cohere and
+    Jina): documents too long for the model are cut to fit, queries are kept whole. Errors name
+    the query or document at fault by its index."""
     caps = processor.capabilities
     if caps.score_type is None:
         raise UnsupportedTaskError(
@@ -165,9 +169,28 @@ def plan_scores(
     if caps.score_type == "cross_encoder":
         return _plan_cross_encoder(
             processor, pairs, truncate_prompt_tokens, max_tokens_per_doc, instruction,
-            use_activation,
+            use_activation, fit_documents,
         )  # fmt: skip
-    return _plan_embedding(processor, pairs, truncate_prompt_tokens, max_tokens_per_doc)
+    return _plan_embedding(
+        processor, pairs, truncate_prompt_tokens, max_tokens_per_doc, fit_documents
+    )
+
+
+def _num_tokens(processor: InputProcessor, texts: list[str]) -> list[int]:
+    """Tokens of each text, special tokens excluded."""
+    return [len(e.ids) for e in processor.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def _limit(processor: InputProcessor, truncate_prompt_tokens: int | None) -> int:
+    limit = processor.model_config.max_model_len
+    return limit if truncate_prompt_tokens in (None, -1) else min(truncate_prompt_tokens, limit)
+
+
+def _too_long(what: str, num_tokens: int, limit: int) -> InvalidInputError:
+    return InvalidInputError(
+        f"{what} has {num_tokens} tokens, but the model's limit (max_model_len) is {limit}; pass "
+        f"truncate_prompt_tokens=-1 (or max_tokens_per_doc) to cut documents to fit"
+    )
 
 
 def _plan_cross_encoder(
@@ -177,6 +200,7 @@ def _plan_cross_encoder(
     max_tokens_per_doc: int | None,
     instruction: str | None,
     use_activation: bool | None,
+    fit_documents: bool = False,
 ) -> ScorePlan:
     """A one-label classifier reads each pair: ``[CLS] q [SEP] d [SEP]`` with segment ids, or
     the model's prompt template; the score is its activated logit."""
@@ -192,7 +216,11 @@ def _plan_cross_encoder(
     )  # fmt: skip
     processor.check_pooling_params(params)
     template = score_template(processor.model_config.hf_config)
+    num_cut = 0
     if template is None:
+        if fit_documents and truncate_prompt_tokens is None:
+            truncate_prompt_tokens = -1
+        num_cut = _check_pairs(processor, pairs, truncate_prompt_tokens, max_tokens_per_doc)
         prompts = processor.tokenize_pairs(pairs, truncate_prompt_tokens, max_tokens_per_doc)
     else:
         if max_tokens_per_doc is not None:
@@ -201,7 +229,34 @@ def _plan_cross_encoder(
             render_pairs(template, pairs, instruction), truncate_prompt_tokens
         )
     rows = list(range(len(prompts)))
-    return ScorePlan(prompts, [params] * len(prompts), ClassificationOutput, rows, None)
+    return ScorePlan(
+        prompts, [params] * len(prompts), ClassificationOutput, rows, None,
+        num_truncated_documents=num_cut,
+    )  # fmt: skip
+
+
+def _check_pairs(
+    processor: InputProcessor,
+    pairs: list[tuple[str, str]],
+    truncate_prompt_tokens: int | None,
+    max_tokens_per_doc: int | None,
+) -> int:
+    """Cross-encoder pairs: a pair too long without truncation names its document; returns the
+    number of documents that will be cut."""
+    limit = _limit(processor, truncate_prompt_tokens)
+    num_special = processor.tokenizer.num_special_tokens_to_add(is_pair=True)
+    query_lens = _num_tokens(processor, [q for q, _ in pairs])
+    document_lens = _num_tokens(processor, [d for _, d in pairs])
+    num_cut = 0
+    for j, (query_len, document_len) in enumerate(zip(query_lens, document_lens, strict=True)):
+        budget = (
+            document_len if max_tokens_per_doc is None else min(document_len, max_tokens_per_doc)
+        )
+        total = query_len + budget + num_special
+        if truncate_prompt_tokens is None and total > limit:
+            raise _too_long(f"document {j} (with the query)", total, limit)
+        num_cut += budget < document_len or total > limit
+    return num_cut
 
 
 def _cut_text(processor: InputProcessor, text: str, max_tokens: int) -> str:
@@ -214,6 +269,7 @@ def _plan_embedding(
     pairs: list[tuple[str, str]],
     truncate_prompt_tokens: int | None,
     max_tokens_per_doc: int | None,
+    fit_documents: bool = False,
 ) -> ScorePlan:
     """Embed each distinct query once and every document, then compare per pair."""
     late_interaction = processor.capabilities.score_type == "late_interaction"
@@ -224,6 +280,9 @@ def _plan_embedding(
         doc_truncate = min(max_tokens_per_doc, limit)
         if truncate_prompt_tokens not in (None, -1):
             doc_truncate = min(truncate_prompt_tokens, doc_truncate)
+    if fit_documents and doc_truncate is None:
+        doc_truncate = -1
+    num_cut = _check_texts(processor, pairs, truncate_prompt_tokens, doc_truncate)
     query_params = PoolingParams(task=task, truncate_prompt_tokens=truncate_prompt_tokens)
     document_params = PoolingParams(task=task, truncate_prompt_tokens=doc_truncate)
     processor.check_pooling_params(query_params)
@@ -241,4 +300,31 @@ def _plan_embedding(
         query_rows=[query_index[q] for q, _ in pairs],
         document_rows=[num_queries + i for i in range(len(pairs))],
         late_interaction=late_interaction,
+        num_truncated_documents=num_cut,
     )
+
+
+def _check_texts(
+    processor: InputProcessor,
+    pairs: list[tuple[str, str]],
+    query_truncate: int | None,
+    document_truncate: int | None,
+) -> int:
+    """Bi-encoder inputs: a text too long without truncation is named (``query 0``,
+    ``document 3``); returns the number of documents that will be cut."""
+    num_special = processor.tokenizer.num_special_tokens_to_add(is_pair=False)
+    limit = processor.model_config.max_model_len
+    if query_truncate is None:
+        first_pair: dict[str, int] = {}
+        for j, (query, _) in enumerate(pairs):
+            first_pair.setdefault(query, j)
+        for query, length in zip(first_pair, _num_tokens(processor, list(first_pair)), strict=True):
+            if length + num_special > limit:
+                raise _too_long(f"query {first_pair[query]}", length + num_special, limit)
+    document_limit = _limit(processor, document_truncate)
+    lengths = [n + num_special for n in _num_tokens(processor, [d for _, d in pairs])]
+    if document_truncate is None:
+        for j, length in enumerate(lengths):
+            if length > limit:
+                raise _too_long(f"document {j}", length, limit)
+    return sum(length > document_limit for length in lengths)

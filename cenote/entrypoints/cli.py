@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
         "--max-waiting-requests", type=int, default=defaults.max_waiting_requests,
         help="requests queued beyond --max-num-seqs before answering 429",
     )  # fmt: skip
+    serve.add_argument(
+        "--auto-truncate", action="store_true",
+        help="embedding routes cut inputs longer than the model's limit instead of refusing them",
+    )  # fmt: skip
     serve.add_argument("--log-level", default="info")
     run_batch.add_parser(commands)
     return parser
@@ -101,7 +105,7 @@ def serve(args: argparse.Namespace) -> int:
     options = ServerOptions(
         host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         max_inputs=args.max_inputs, max_input_chars=args.max_input_chars,
-        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_requests=args.max_waiting_requests, auto_truncate=args.auto_truncate,
     )  # fmt: skip
     state = ServerState(_engine_config(args), options)
     config = uvicorn.Config(

@@ -9,27 +9,52 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cenote
 from cenote.server import routes_generate, routes_pooling, routes_scoring
+from cenote.server.body import JSONRoute
 from cenote.server.errors import (
     APIError,
     BadRequest,
+    BodyError,
+    ModelNotFound,
     PayloadTooLarge,
     Unauthorized,
     Unavailable,
     api_error_response,
     install_error_handlers,
 )
-from cenote.server.protocol import DetokenizeRequest, TokenizeRequest
+from cenote.server.protocol import (
+    ChatCompletionRequest,
+    ClassificationRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+    TokenizeRequest,
+)
+from cenote.server.responses import (
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+    install_openapi,
+    schema,
+)
 from cenote.server.state import ServerState, get_state
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 _OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 
 
@@ -46,6 +71,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="cenote", version=cenote.__version__, lifespan=lifespan)
     app.state.cenote = state
     install_error_handlers(app)
+    install_openapi(app)
     app.include_router(router)
     app.include_router(routes_pooling.router)
     app.include_router(routes_scoring.router)
@@ -126,8 +152,8 @@ class FrontDoor:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > limit:
-                    raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
+                if received > limit:  # a chunked body without Content-Length
+                    raise BodyError(413, f"the request body exceeds the limit of {limit} bytes")
             return message
 
         return bounded_receive
@@ -141,56 +167,86 @@ class FrontDoor:
 # ---- small routes ---------------------------------------------------------------------------
 
 
-@router.get("/health")
-async def health(raw_request: Request) -> Response:
+@router.get("/health", responses=schema(HealthResponse, 503))
+async def health(raw_request: Request) -> JSONResponse:
     state = get_state(raw_request)
     if not state.ready:
         reason = state.client.dead_reason or "starting"
         raise Unavailable(f"not ready: {reason}")
-    return Response(status_code=200)
+    return JSONResponse({"status": "ok"})
 
 
-@router.get("/version")
+@router.get("/version", responses=schema(VersionResponse, 401))
 async def version() -> JSONResponse:
     return JSONResponse({"version": cenote.__version__})
 
 
-@router.get("/v1/models")
-async def list_models(raw_request: Request) -> JSONResponse:
-    state = get_state(raw_request)
-    model = {
+def _model_card(state: ServerState) -> dict:
+    return {
         "id": state.model_name,
         "object": "model",
         "created": 0,
         "owned_by": "cenote",
-        "root": str(state.model_config.path),
+        "root": state.model_name,  # the served name: no path of this machine
+        "parent": None,
         "max_model_len": state.model_config.max_model_len,
         "supported_tasks": list(state.supported_tasks),
     }
-    return JSONResponse({"object": "list", "data": [model]})
 
 
-@router.get("/metrics")
+@router.get("/v1/models", responses=schema(ModelList, 401))
+async def list_models(raw_request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(get_state(raw_request))]})
+
+
+@router.get("/v1/models/{model:path}", responses=schema(ModelCard, 401, 404))
+async def retrieve_model(model: str, raw_request: Request) -> JSONResponse:
+    state = get_state(raw_request)
+    if model != state.model_name:
+        raise ModelNotFound(
+            f"the model {model!r:.200} does not exist; this server serves {state.model_name!r}",
+            param="model",
+        )
+    return JSONResponse(_model_card(state))
+
+
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus"},
+        **schema(None, 401)},
+)  # fmt: skip
 async def metrics(raw_request: Request) -> Response:
     return Response(get_state(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=schema(TokenizeResponse, 400, 401, 404, 413, 503))
 async def tokenize(body: TokenizeRequest, raw_request: Request) -> JSONResponse:
     state = get_state(raw_request)
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("pass exactly one of 'prompt' and 'messages'", param="prompt")
     text = body.prompt
+    add_special_tokens = body.add_special_tokens
     if body.messages is not None:
-        text = state.render_chat(body.messages, body.add_generation_prompt)
-    ids = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids
-    return JSONResponse(
-        {"tokens": ids, "count": len(ids), "max_model_len": state.model_config.max_model_len}
-    )
+        text = state.render_chat(
+            body.messages, body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )  # fmt: skip
+        add_special_tokens = bool(add_special_tokens)  # the template writes them (vLLM)
+    elif add_special_tokens is None:
+        add_special_tokens = True
+    state.check_texts([text], "prompt")
+    ids = state.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    result = {"tokens": ids, "count": len(ids), "max_model_len": state.model_config.max_model_len}
+    if body.return_token_strs:
+        result["token_strs"] = [state.tokenizer.id_to_token(t) or "" for t in ids]
+    return JSONResponse(result)
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=schema(DetokenizeResponse, 400, 401, 404, 413, 503))
 async def detokenize(body: DetokenizeRequest, raw_request: Request) -> JSONResponse:
     state = get_state(raw_request)
     state.check_model(body.model)
@@ -199,3 +255,45 @@ async def detokenize(body: DetokenizeRequest, raw_request: Request) -> JSONRespo
     if bad:
         raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})", "tokens")
     return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=True)})
+
+
+@router.post("/invocations", responses=schema(None))
+async def invocations(raw_request: Request) -> Response:
+    """SageMaker's one route: the body's shape picks the API. ``messages``: chat when the model
+    generates, else embeddings; ``prompt``: completions; ``query`` + ``documents``: rerank;
+    ``queries`` / ``data_1`` / ``text_1``: score; ``input``: embeddings, classify or pooling,
+    by the model's tasks."""
+    state = get_state(raw_request)
+    body = await raw_request.json()
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    handler, model = _invocation_target(state, body)
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+    return await handler(parsed, raw_request=raw_request)
+
+
+def _invocation_target(state: ServerState, body: dict) -> tuple:
+    tasks = state.supported_tasks
+    generates = "generate" in tasks
+    if "messages" in body and generates:
+        return routes_generate.create_chat_completion, ChatCompletionRequest
+    if "prompt" in body and generates:
+        return routes_generate.create_completion, CompletionRequest
+    if "query" in body and "documents" in body:
+        return routes_scoring.create_rerank, RerankRequest
+    if any(key in body for key in ("queries", "data_1", "text_1")):
+        return routes_scoring.create_score, ScoreRequest
+    if "input" in body or "messages" in body:
+        if "embed" in tasks:
+            return routes_pooling.create_embeddings, EmbeddingRequest
+        if "classify" in tasks:
+            return routes_scoring.create_classify, ClassificationRequest
+        return routes_pooling.create_pooling, PoolingRequest
+    raise BadRequest(
+        "cannot tell which API this body is for: send 'messages' (chat), 'prompt' "
+        "(completions), 'input' (embeddings / classify / pooling), 'query' and 'documents' "
+        "(rerank) or 'queries' and 'documents' (score)"
+    )

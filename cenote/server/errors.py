@@ -6,11 +6,14 @@
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cenote.errors import EngineDeadError, InvalidInputError
@@ -61,6 +64,63 @@ class EngineFailed(APIError):
     status, type = 500, "internal_server_error"
 
 
+class BodyError(StarletteHTTPException):
+    """A request body that cannot be read (not JSON, not UTF-8, too large, too deep). An HTTP
+    exception, so FastAPI passes it through while it reads the body; answered like an APIError."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(status_code=status, detail=message)
+
+
+# OpenAI's error ``type`` for each status (never an HTTP phrase)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str  # what went wrong, with the numbers
+    type: str  # invalid_request_error | authentication_error | not_found_error | ...
+    param: str | None = None  # the request field at fault, when there is one
+    code: int  # the HTTP status
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+_STATUS_DESCRIPTIONS = {
+    400: "Invalid request: bad JSON, a wrong or unknown field, or input the model cannot take",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Request body too large",
+    429: "Overloaded: retry after the Retry-After header's seconds",
+    500: "Engine failure",
+    503: "The engine is starting or not running",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` entries for the error statuses a route can answer."""
+    chosen = statuses or tuple(_STATUS_DESCRIPTIONS)
+    return {
+        status: {"model": ErrorResponse, "description": _STATUS_DESCRIPTIONS[status]}
+        for status in chosen
+    }
+
+
 def error_response(
     status: int,
     message: str,
@@ -76,13 +136,43 @@ def api_error_response(error: APIError) -> JSONResponse:
     return error_response(error.status, error.message, error.type, error.param, error.headers)
 
 
+_UNION_TAG = re.compile(r"^([A-Za-z_]+\[.*\]|str|int|float|bool|none|[A-Z]\w*|function-\w+.*)$")
+
+
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
+    """One readable line per field at fault, and the first field (OpenAI's ``param``).
+
+    Union alternatives are folded into one line per field; unknown fields are named."""
+    lines: dict[str, str] = {}
+    alternatives: dict[str, list[str]] = {}  # union forms tried, per field
+    param = None
     for item in error.errors():
-        location = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
-        param = param or location or None
-        parts.append(f"{location or 'body'}: {item.get('msg')}")
-    return "; ".join(parts) or "invalid request body", param
+        loc = [p for p in item.get("loc", ()) if p != "body"]
+        if item.get("type") == "json_invalid":
+            detail = (item.get("ctx") or {}).get("error", "")
+            return f"the request body is not valid JSON: {detail}", None
+        path = ".".join(str(p) for p in loc if not _UNION_TAG.match(str(p)))
+        tags = [str(p) for p in loc if _UNION_TAG.match(str(p))]
+        param = param or (str(loc[0]) if loc else None)
+        if tags and path in lines:  # another alternative of a union failed too
+            forms = alternatives.setdefault(path, [])
+            forms.append(tags[0])
+            lines[path] = f"{path}: got {item.get('input')!r:.80}, expected one of: " + ", ".join(
+                dict.fromkeys(forms)
+            )
+            continue
+        if tags:
+            alternatives[path] = [tags[0]]
+        if item.get("type") == "extra_forbidden":
+            message = f"unknown field {path!r}: cenote does not implement it"
+        elif item.get("type") == "missing":
+            message = f"{path}: the field is required"
+        else:
+            message = f"{path or 'body'}: {item.get('msg')}"
+            if "input" in item and not isinstance(item["input"], dict | list):
+                message += f" (got {item['input']!r:.80})"
+        lines.setdefault(path, message)
+    return "; ".join(lines.values()) or "invalid request body", param
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -94,8 +184,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _schema_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(error)
-        return error_response(422, message, "invalid_request_error", param)
+        message, param = _validation_message(error)  # 400, as OpenAI and vLLM answer
+        return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(InvalidInputError)
     async def _invalid_input(_: Request, error: InvalidInputError) -> JSONResponse:
@@ -115,10 +205,19 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        phrase = HTTPStatus(error.status_code).phrase
-        return error_response(error.status_code, str(error.detail or phrase), phrase)
+        status = error.status_code
+        message = str(error.detail or HTTPStatus(status).phrase)
+        if status == 404 and not isinstance(error, BodyError):
+            message = "no such route; see /docs or /openapi.json for the routes"
+        elif status == 405:
+            allowed = (error.headers or {}).get("Allow", "")
+            message = f"method not allowed on this route; allowed: {allowed}"
+        type_ = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return error_response(status, message, type_, headers=error.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, error: Exception) -> JSONResponse:
         logger.exception("unexpected error")
-        return error_response(500, f"internal error: {type(error).__name__}", "internal_error")
+        return error_response(
+            500, f"internal error: {type(error).__name__}", "internal_server_error"
+        )

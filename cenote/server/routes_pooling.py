@@ -4,6 +4,7 @@ scoring routes share."""
 from __future__ import annotations
 
 import base64
+import sys
 import time
 
 import msgspec
@@ -13,18 +14,25 @@ from fastapi.responses import Response
 
 from cenote.outputs import EmbeddingOutput, PoolingOutput, PoolingRequestOutput
 from cenote.pooling_params import PoolingParams
+from cenote.server.body import JSONRoute
+from cenote.server.errors import BadRequest
 from cenote.server.protocol import EmbeddingRequest, PoolingRequest, _PoolingBody
+from cenote.server.responses import EmbeddingResponse, PoolingResponse, schema
 from cenote.server.state import ServerState, get_state, new_request_id, with_cancellation
 from cenote.tasks import POOLING_TASKS, PoolingTask
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
+
+_EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", responses=schema(EmbeddingResponse, binary=True))
 @with_cancellation
 async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
     outputs, request_id = await pool(state, body, "embed", "embd", EmbeddingOutput)
+    if body.encoding_format == "bytes":
+        return bytes_response(state, request_id, outputs, body)
     data = [
         {"object": "embedding", "index": i, "embedding": _encode(out.outputs.data, body)}
         for i, out in enumerate(outputs)
@@ -32,12 +40,14 @@ async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Res
     return list_response(state, request_id, data, outputs)
 
 
-@router.post("/pooling")
+@router.post("/pooling", responses=schema(PoolingResponse, binary=True))
 @with_cancellation
 async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
     task = body.task or _default_pooling_task(state)
     outputs, request_id = await pool(state, body, task, "pool", PoolingOutput)
+    if body.encoding_format == "bytes":
+        return bytes_response(state, request_id, outputs, body)
     data = [
         {"object": "pooling", "index": i, "data": _encode(out.outputs.data, body)}
         for i, out in enumerate(outputs)
@@ -58,19 +68,26 @@ async def pool(
     processor = state.processor()
     state.check_model(body.model)
     state.check_task(task)
-    prompts = state.prompts_from(body.input, body.messages, add_generation_prompt=False)
+    prompts, add_special_tokens = _prompts(state, body)
     state.check_capacity(len(prompts))
+    truncate = body.truncate_prompt_tokens
+    if truncate is None and state.options.auto_truncate:
+        truncate = -1  # --auto-truncate: cut to the model's limit
+    normalize = body.normalize
+    if normalize is None and task in ("embed", "token_embed"):
+        normalize = body.use_activation  # vLLM's newer name for embedding normalization
     params = PoolingParams(
         task=task,
         dimensions=body.dimensions,
-        normalize=body.normalize,
+        normalize=normalize,
         use_activation=body.use_activation,
-        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncate_prompt_tokens=truncate,
+        truncation_side=body.truncation_side,
     )
     processor.check_pooling_params(params)
     # 2) tokenize (here, in the front process), 3) run in the core
     tokenized = processor.tokenize(
-        prompts, body.truncate_prompt_tokens, add_special_tokens=body.add_special_tokens
+        prompts, truncate, body.truncation_side, add_special_tokens=add_special_tokens
     )
     request_id = new_request_id(prefix, body.request_id)
     requests = [
@@ -83,12 +100,70 @@ async def pool(
     return outputs, request_id
 
 
+def _prompts(state: ServerState, body: _PoolingBody) -> tuple[list, bool]:
+    """The prompts of ``input`` or of chat ``messages``, and whether to add special tokens
+    (default: yes for input, no for messages — the chat template writes them, as in vLLM)."""
+    if body.messages is None or body.input is not None:
+        prompts = state.prompts_from(body.input, body.messages, add_generation_prompt=False)
+        return prompts, body.add_special_tokens is not False
+    text = state.render_chat(
+        body.messages, body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}),
+    )  # fmt: skip
+    state.check_prompts([text])
+    return [text], bool(body.add_special_tokens)
+
+
 def _encode(data: torch.Tensor, body: _PoolingBody) -> list | str:
-    """float: (nested) lists; base64: little-endian float32 bytes, like OpenAI."""
-    data = data.float()
+    """float: (nested) lists of the fp32 values; base64: ``embed_dtype`` values in
+    ``endianness`` byte order (default: native float32, OpenAI's little-endian on x86)."""
     if body.encoding_format == "base64":
-        return base64.b64encode(data.numpy().astype("<f4").tobytes()).decode("ascii")
-    return data.tolist()
+        return base64.b64encode(_raw_bytes(data, body)).decode("ascii")
+    if body.embed_dtype != "float32":
+        raise BadRequest(
+            "embed_dtype applies to encoding_format 'base64' or 'bytes', not 'float'",
+            param="embed_dtype",
+        )
+    return data.float().tolist()
+
+
+def _raw_bytes(data: torch.Tensor, body: _PoolingBody) -> bytes:
+    """The values as ``embed_dtype`` (bfloat16: its 2-byte pattern), flattened, in
+    ``endianness`` byte order."""
+    values = data.float().to(_EMBED_DTYPES[body.embed_dtype]).flatten().contiguous()
+    if body.embed_dtype == "bfloat16":
+        values = values.view(torch.int16)  # numpy has no bfloat16: move the bit patterns
+    array = values.numpy()
+    if body.endianness not in ("native", sys.byteorder):
+        array = array.byteswap()
+    return array.tobytes()
+
+
+def bytes_response(
+    state: ServerState, request_id: str, outputs: list[PoolingRequestOutput], body: _PoolingBody
+) -> Response:
+    """``encoding_format: bytes`` (vLLM): the outputs' raw bytes back to back as the body; a
+    ``metadata`` header (JSON) gives each one's ``start``/``end`` offsets, shape and dtype."""
+    chunks, items, offset = [], [], 0
+    for i, out in enumerate(outputs):
+        raw = _raw_bytes(out.outputs.data, body)
+        items.append(
+            {"index": i, "embed_dtype": body.embed_dtype, "endianness": body.endianness,
+             "start": offset, "end": offset + len(raw), "shape": list(out.outputs.data.shape)}
+        )  # fmt: skip
+        chunks.append(raw)
+        offset += len(raw)
+    num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    metadata = {
+        "id": request_id, "object": "list", "created": int(time.time()),
+        "model": state.model_name, "data": items,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }  # fmt: skip
+    return Response(
+        b"".join(chunks),
+        media_type="application/octet-stream",
+        headers={"metadata": msgspec.json.encode(metadata).decode()},
+    )
 
 
 def list_response(

@@ -1,0 +1,270 @@
+"""Response bodies of the HTTP API, declared for the OpenAPI schema (the contract).
+
+Routes build their bodies as plain dicts and encode them with msgspec (fast); these models say
+what those dicts hold. ``schema(...)`` turns them into a route's ``responses=`` entries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from cenote.server.errors import error_responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int | None = None  # generation routes only
+
+
+# ---- small routes -----------------------------------------------------------------------------
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ModelCard(BaseModel):
+    id: str  # the served model name (never a path)
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str  # the served model name
+    parent: str | None = None
+    max_model_len: int
+    supported_tasks: list[str]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ---- pooling ----------------------------------------------------------------------------------
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 of embed_dtype values
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: Usage
+
+
+class PoolingData(BaseModel):
+    object: Literal["pooling"]
+    index: int
+    data: list[Any] | str  # the pooler's output (nested for per-token tasks), or base64
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: Usage
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str | int  # the class name, or its index when the model names none
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: Usage
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: Usage
+
+
+class RerankText(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankText | None = None  # with return_documents
+
+
+class RerankUsage(Usage):
+    truncated_documents: int = 0  # documents cut to fit the model (or max_tokens_per_doc)
+
+
+class RerankResponse(BaseModel):
+    """Jina's shape."""
+
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class RerankMeta(BaseModel):
+    api_version: dict[str, Any]
+    billed_units: dict[str, Any]
+    warnings: list[str] | None = None  # e.g. documents truncated
+
+
+class RerankV2Response(BaseModel):
+    """Cohere v2's shape (plus ``usage``)."""
+
+    id: str
+    model: str
+    results: list[RerankResult]
+    meta: RerankMeta
+    usage: RerankUsage
+
+
+# ---- generation -------------------------------------------------------------------------------
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # with prompt_logprobs
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # with prompt_logprobs
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+
+
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}  # stream: true
+_BYTES = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+
+
+def schema(
+    model: type[BaseModel] | None, *errors: int, stream: bool = False, binary: bool = False
+) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route: its 200 body (JSON, SSE when it streams, raw bytes for
+    ``encoding_format: bytes``) and the error statuses it can answer (all when none given)."""
+    ok: dict[str, Any] = {"description": "Success"}
+    if model is not None:
+        ok["model"] = model
+    extra = {**(_SSE if stream else {}), **(_BYTES if binary else {})}
+    if extra:
+        ok["content"] = extra
+    return {200: ok, **error_responses(*errors)}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """The app's schema without FastAPI's automatic 422 answers: a body that fails validation
+    is a 400 (documented per route with ``ErrorResponse``), as OpenAI and vLLM answer."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, description=app.description
+            )
+            for operations in spec.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = spec.get("components", {}).get("schemas", {})
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
