@@ -21,6 +21,9 @@ class PoolingParams:
     step_tag_id: int | None = None  # process reward: rows where token == step_tag_id
     returned_token_ids: list[int] | None = None  # process reward: columns to return
     max_active_dims: int | None = None  # embed_sparse: keep the k largest weights (top-k)
+    # leading tokens that are the model's instruction prompt (set by the input processor);
+    # a sentence-transformers Pooling with include_prompt=false leaves them out
+    instruction_length: int = 0
 
     def __post_init__(self) -> None:
         if self.task is not None and self.task not in POOLING_TASKS:

@@ -257,8 +257,8 @@ def test_fcfs_policy_ignores_priority(tiny_bert: Path) -> None:
     assert driver.finish_order == ["a", "b", "c"]
 
 
-def test_include_prompt_false_is_refused(tmp_path: Path) -> None:
-    """A pooling that leaves the prompt out would give wrong vectors: refused with the reason."""
+def test_include_prompt_false_is_read(tmp_path: Path) -> None:
+    """A pooling that leaves the prompt out (parity: tests/test_include_prompt.py)."""
     import json
 
     from cenote.models.st_config import load_st_config
@@ -270,8 +270,8 @@ def test_include_prompt_false_is_refused(tmp_path: Path) -> None:
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     config = {"word_embedding_dimension": 8, "pooling_mode": "mean", "include_prompt": False}
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="include_prompt=false"):
-        load_st_config(tmp_path)
+    st_config = load_st_config(tmp_path)
+    assert st_config.pooling == "mean" and st_config.include_prompt is False
 
 
 def test_weights_that_do_not_fit_the_config_are_refused(tmp_path: Path) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 from tokenizers import Tokenizer
@@ -38,6 +40,7 @@ class TokenizedPrompt:
     prompt: str | None  # the text, when the prompt was text
     prompt_token_ids: list[int]
     token_type_ids: list[int] | None = None
+    num_instruction_tokens: int = 0  # leading tokens of the prepended instruction prompt
 
 
 class InputProcessor:
@@ -101,6 +104,9 @@ class InputProcessor:
             for (i, text), enc in zip(texts, encoded, strict=True):
                 ids = list(enc.ids) if colbert is None else colbert.format(list(enc.ids), role)
                 results[i] = TokenizedPrompt(text, ids)
+        if is_pooling and self.default_prompt:  # _encode prepended it to every text
+            for i, _ in texts:
+                results[i].num_instruction_tokens = self.instruction_length
         for i, result in enumerate(results):
             self._check_length(result.prompt_token_ids, indices[i], truncate_prompt_tokens)
         return results
@@ -116,6 +122,18 @@ class InputProcessor:
             return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         finally:
             self.tokenizer.no_truncation()
+
+    @cached_property
+    def instruction_length(self) -> int:
+        """Tokens of the default instruction prompt as sentence-transformers counts them: the
+        prompt tokenized alone, special tokens included, less a trailing special token."""
+        prompt = self.default_prompt.lower() if self.do_lower_case else self.default_prompt
+        encoding = self.tokenizer.encode(prompt)
+        special = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        length = len(encoding.ids)
+        if length and (encoding.special_tokens_mask[-1] or encoding.ids[-1] in special):
+            length -= 1
+        return length
 
     def _truncation_length(self, truncate_prompt_tokens: int | None) -> int | None:
         limit = self.model_config.max_model_len
@@ -281,7 +299,11 @@ class InputProcessor:
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,
             sampling_params=sampling_params,
-            pooling_params=pooling_params,
+            pooling_params=pooling_params
+            if pooling_params is None or not prompt.num_instruction_tokens
+            else dataclasses.replace(
+                pooling_params, instruction_length=prompt.num_instruction_tokens
+            ),
             token_type_ids=prompt.token_type_ids,
             eos_token_id=self.capabilities.eos_token_id,
             priority=priority,

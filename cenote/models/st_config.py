@@ -58,6 +58,7 @@ class SentenceTransformerConfig:
     default_prompt_name: str | None = None
     similarity_fn_name: str | None = None
     sparse_pooling: SparsePoolingConfig | None = None  # SparseEncoder: 1_SpladePooling/config.json
+    include_prompt: bool = True  # Pooling: false leaves the instruction prompt out of CLS / MEAN
 
 
 def _read_json(path: Path) -> dict:
@@ -78,11 +79,6 @@ def _pooling_method(config: dict, where: Path) -> PoolingMethodName:
         raise ValueError(
             f"{where}: unsupported sentence-transformers pooling {enabled or 'none'}; "
             f"cenote supports exactly one of {sorted(_SUPPORTED_POOLING_MODES)}"
-        )
-    if config.get("include_prompt", True) is False:
-        raise ValueError(
-            f"{where}: include_prompt=false (prompt tokens left out of pooling) is not supported; "
-            "cenote pools every token of the input"
         )
     return _SUPPORTED_POOLING_MODES[enabled[0]]
 
@@ -131,12 +127,14 @@ def load_st_config(model_dir: Path) -> SentenceTransformerConfig | None:
     modules_path = model_dir / "modules.json"
     if not modules_path.exists():
         return None
-    pooling, normalize, dense, sparse = None, False, [], None
+    pooling, normalize, dense, sparse, include_prompt = None, False, [], None, True
     for module in _read_json(modules_path):
         kind = module["type"].rsplit(".", 1)[-1]
         folder = model_dir / module.get("path", "")
         if kind == "Pooling":
-            pooling = _pooling_method(_read_json(folder / "config.json"), folder)
+            pooling_config = _read_json(folder / "config.json")
+            pooling = _pooling_method(pooling_config, folder)
+            include_prompt = bool(pooling_config.get("include_prompt", True))
         elif kind == "Normalize":
             normalize = True
         elif kind == "Dense":
@@ -161,4 +159,5 @@ def load_st_config(model_dir: Path) -> SentenceTransformerConfig | None:
         default_prompt_name=st_config.get("default_prompt_name"),
         similarity_fn_name=st_config.get("similarity_fn_name"),
         sparse_pooling=sparse,
+        include_prompt=include_prompt,
     )

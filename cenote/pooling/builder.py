@@ -59,6 +59,7 @@ def build_embedding_pooler(
         default_pooling_method(model_config, is_causal),
         EmbeddingHead(projector, default_normalize=normalize),
         output_size,
+        include_prompt=st.include_prompt if st is not None else True,
     )
 
 

@@ -52,5 +52,25 @@ def pool_step(
     return out
 
 
+def pool_after_instructions(
+    method: PoolingMethod, hidden: torch.Tensor, metadata: PoolingMetadata
+) -> torch.Tensor:
+    """CLS or MEAN over the rows after each request's instruction prompt
+    (``params.instruction_length``), as sentence-transformers pools with
+    ``include_prompt=false``: the first row after it (row 0 when none is left), the mean of the
+    rows after it (zeros when none is left)."""
+    assert method in ("cls", "mean"), method
+    pooled = []
+    for rows, params in zip(
+        hidden.split(metadata.prompt_lens), metadata.pooling_params, strict=True
+    ):
+        rest = rows[params.instruction_length :].float()  # [rows after the instruction, hidden]
+        if method == "cls":
+            pooled.append(rest[0] if len(rest) else rows[0].float())
+        else:
+            pooled.append(rest.sum(0) / len(rest) if len(rest) else rest.new_zeros(rows.shape[1]))
+    return torch.stack(pooled)  # [num_requests, hidden]
+
+
 SEQUENCE_METHODS = {"cls": pool_cls, "mean": pool_mean, "last": pool_last}
 TOKEN_METHODS = {"all": pool_all, "step": pool_step}

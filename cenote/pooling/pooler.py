@@ -14,7 +14,13 @@ from torch import nn
 from cenote.pooling.activation import Activation, activate
 from cenote.pooling.heads import EmbeddingHead
 from cenote.pooling.metadata import PoolingMetadata
-from cenote.pooling.methods import SEQUENCE_METHODS, PoolingMethod, pool_all, pool_step
+from cenote.pooling.methods import (
+    SEQUENCE_METHODS,
+    PoolingMethod,
+    pool_after_instructions,
+    pool_all,
+    pool_step,
+)
 from cenote.tasks import PoolingTask
 
 ScoreFn = Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] fp32 -> [N, num_labels] fp32
@@ -23,7 +29,13 @@ ScoreFn = Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] fp32 -> [N, num_
 class EmbeddingPooler(nn.Module):
     """Serves ``embed`` (one vector per prompt) and ``token_embed`` (one vector per token)."""
 
-    def __init__(self, method: PoolingMethod, head: EmbeddingHead, output_size: int) -> None:
+    def __init__(
+        self,
+        method: PoolingMethod,
+        head: EmbeddingHead,
+        output_size: int,
+        include_prompt: bool = True,
+    ) -> None:
         super().__init__()
         if method not in SEQUENCE_METHODS:
             raise ValueError(
@@ -32,6 +44,14 @@ class EmbeddingPooler(nn.Module):
         self.method = method
         self.head = head
         self.output_size = output_size  # embedding size before matryoshka truncation
+        # False: CLS / MEAN leave out each request's instruction prompt (sentence-transformers)
+        self.include_prompt = include_prompt
+
+    def _pool(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
+        skip = not self.include_prompt and self.method in ("cls", "mean")
+        if skip and any(p.instruction_length for p in metadata.pooling_params):
+            return pool_after_instructions(self.method, hidden, metadata)
+        return SEQUENCE_METHODS[self.method](hidden, metadata)  # [num_requests, hidden]
 
     def get_supported_tasks(self) -> tuple[PoolingTask, ...]:
         return ("embed", "token_embed")
@@ -41,7 +61,7 @@ class EmbeddingPooler(nn.Module):
         tasks = [params.task for params in metadata.pooling_params]
         outputs: list[torch.Tensor | None] = [None] * metadata.num_requests
         if "embed" in tasks:
-            pooled = SEQUENCE_METHODS[self.method](hidden, metadata)  # [num_requests, hidden]
+            pooled = self._pool(hidden, metadata)  # [num_requests, hidden]
             projected = self.head.project(pooled)
             for i, params in enumerate(metadata.pooling_params):
                 if params.task == "embed":
