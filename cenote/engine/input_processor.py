@@ -120,8 +120,16 @@ class InputProcessor:
             self.tokenizer.enable_truncation(max_length, direction=side)
         try:
             return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
-        finally:
-            self.tokenizer.no_truncation()
+        # Truncate as the tokenizer's own truncation does (the text is cut to leave room for the
+        # special tokens), without toggling the shared tokenizer: safe from several threads.
+        room = max_length
+        if add_special_tokens:
+            room = max(max_length - self.tokenizer.num_special_tokens_to_add(is_pair=False), 0)
+        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        for encoding in encoded:
+            if len(encoding.ids) > room:
+                encoding.truncate(room, direction=side)
+        return [self.tokenizer.post_process(e, None, add_special_tokens) for e in encoded]
 
     @cached_property
     def instruction_length(self) -> int:
