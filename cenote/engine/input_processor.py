@@ -116,9 +116,7 @@ class InputProcessor:
             texts = [self.default_prompt + t for t in texts]
             if self.do_lower_case:
                 texts = [t.lower() for t in texts]
-        if max_length is not None:
-            self.tokenizer.enable_truncation(max_length, direction=side)
-        try:
+        if max_length is None:
             return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         # Truncate as the tokenizer's own truncation does (the text is cut to leave room for the
         # special tokens), without toggling the shared tokenizer: safe from several threads.
@@ -288,34 +286,6 @@ class InputProcessor:
                 f"task 'generate' is not supported by {self.model_config.served_model_name}; "
                 f"it supports {', '.join(self.capabilities.supported_tasks)}"
             )
-        limit = self.model_config.max_model_len
-        if num_prompt_tokens + params.max_tokens > limit:
-            raise InvalidInputError(
-                f"prompt {index} has {num_prompt_tokens} tokens and asks for max_tokens="
-                f"{params.max_tokens}, which exceeds the model's limit (max_model_len) of {limit}"
-            )
-
-    def make_request(
-        self,
-        request_id: str,
-        prompt: TokenizedPrompt,
-        sampling_params: SamplingParams | None = None,
-        pooling_params: PoolingParams | None = None,
-        priority: int = 0,
-    ) -> EngineCoreRequest:
-        return EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt.prompt_token_ids,
-            sampling_params=sampling_params,
-            pooling_params=pooling_params
-            if pooling_params is None or not prompt.num_instruction_tokens
-            else dataclasses.replace(
-                pooling_params, instruction_length=prompt.num_instruction_tokens
-            ),
-            token_type_ids=prompt.token_type_ids,
-            eos_token_id=self.capabilities.eos_token_id,
-            priority=priority,
-        )
         max_logprobs = min(self.model_config.max_logprobs, self.model_config.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -334,5 +304,33 @@ class InputProcessor:
                     f"{field_name} has token ids outside the vocabulary (size {vocab}): "
                     f"{outside[:5]}"
                 )
+        limit = self.model_config.max_model_len
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise InvalidInputError(
+                f"prompt {index} has {num_prompt_tokens} tokens and asks for max_tokens="
+                f"{params.max_tokens}, which exceeds the model's limit (max_model_len) of {limit}"
+            )
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: TokenizedPrompt,
+        sampling_params: SamplingParams | None = None,
+        pooling_params: PoolingParams | None = None,
+        priority: int = 0,
+    ) -> EngineCoreRequest:
         if not INT64_MIN <= priority <= INT64_MAX:
             raise InvalidInputError(f"priority must be a 64-bit signed integer, got {priority}")
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.prompt_token_ids,
+            sampling_params=sampling_params,
+            pooling_params=pooling_params
+            if pooling_params is None or not prompt.num_instruction_tokens
+            else dataclasses.replace(
+                pooling_params, instruction_length=prompt.num_instruction_tokens
+            ),
+            token_type_ids=prompt.token_type_ids,
+            eos_token_id=self.capabilities.eos_token_id,
+            priority=priority,
+        )
