@@ -145,6 +145,7 @@ def _engine_config(args: argparse.Namespace):
         seed=args.seed,
         convert=args.convert,
         pooler_config=args.pooler_config,
+        max_logprobs=args.max_logprobs,
     )
 
 
@@ -154,7 +155,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         handled = (signal.SIGINT, signal.SIGTERM)
-        max_logprobs=args.max_logprobs,
         originals = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
         try:
             yield
