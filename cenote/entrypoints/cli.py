@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
         "--pooler-config", type=json.loads, default=None,
         help='JSON, e.g. {"pooling_type": "MEAN", "normalize": false}',
     )  # fmt: skip
+    serve.add_argument(
+        "--max-logprobs", type=int, default=20,
+        help="most top logprobs (logprobs / top_logprobs / prompt_logprobs) a request may ask for",
+    )  # fmt: skip
     serve.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     serve.add_argument(
         "--convert", default="auto", choices=["auto", "embed", "classify"],
