@@ -64,6 +64,9 @@ _REGISTRY: dict[str, ModelEntry] = {
     # colbert-ai checkpoints: BERT + linear, token vectors for late interaction (MaxSim)
     "HF_ColBERT": ModelEntry("colbert", "HFColBERT", False, ("token_embed",)),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
+    "Gemma3ForCausalLM": ModelEntry("gemma3", "Gemma3ForCausalLM", True, _DECODER_TASKS),
+    # EmbeddingGemma: the Gemma 3 trunk as a (bidirectional) encoder
+    "Gemma3TextModel": ModelEntry("gemma3", "Gemma3TextModel", False, _ENCODER_TASKS),
     "MistralForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
     "Qwen2ForCausalLM": ModelEntry("llama", "Qwen2ForCausalLM", True, _DECODER_TASKS),
     "Qwen3ForCausalLM": ModelEntry("llama", "Qwen3ForCausalLM", True, _DECODER_TASKS),
