@@ -46,3 +46,33 @@ def st_model(minilm_path: Path):
 def st_embeddings(st_model) -> torch.Tensor:
     """sentence-transformers fp32 embeddings of ``PARITY_TEXTS``: [num_texts, 384]."""
     return st_model.encode(PARITY_TEXTS, batch_size=32, convert_to_tensor=True).float()
+
+
+# ---- servers shared by every test module (one start-up each per session) ---------------------
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    """``cenote serve`` on the default model (all-MiniLM-L6-v2), fp32. Tests must leave it idle
+    and healthy; tests that kill or reconfigure a server start their own."""
+    from tests.server_fixture import ServerProcess
+
+    server = ServerProcess("--dtype", "float32", "--num-threads", str(NUM_THREADS))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """``cenote serve`` on the real SmolLM2-135M-Instruct Q4_1 GGUF, fp32."""
+    from cenote.models.gguf_loader import find_smollm2_gguf
+    from tests.server_fixture import ServerProcess
+
+    path = find_smollm2_gguf()  # fails (not skips) when the weights package is missing
+    server = ServerProcess(str(path), "--dtype", "float32", "--num-threads", str(NUM_THREADS))
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cenote.errors import EngineDeadError, InvalidInputError
+from cenote.errors import EngineDeadError, InvalidInputError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +198,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TypeError)
     async def _type_error(_: Request, error: TypeError) -> JSONResponse:
         return error_response(400, str(error), "invalid_request_error")
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, error: RequestFailedError) -> JSONResponse:
+        # a bug inside the engine: the core logged the traceback; the engine goes on
+        return error_response(500, str(error), "internal_server_error")
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:

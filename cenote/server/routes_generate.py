@@ -166,13 +166,30 @@ class _Job:
     def __init__(self, state, body, prefix, object_name, tokenized, params, chat: bool) -> None:
         self.state = state
         self.body = body
-        self.id = new_request_id(prefix, body.request_id)
+        self.id = new_request_id(prefix, body.request_id)  # echoed to the client
+        self.engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
         self.object = object_name
         self.tokenized = tokenized
         self.params = params
         self.chat = chat
         self.created = int(time.time())
         self._offsets: dict[tuple[int, int], int] = {}  # text offset reached per choice
+        # every engine request is built (and validated) before anything is sent or streamed
+        self.children = [self._children(index, tok) for index, tok in enumerate(tokenized)]
+
+    def _children(self, index: int, tok: TokenizedPrompt) -> tuple[str, list]:
+        """The user-level id of prompt ``index`` and its n engine requests."""
+        user_id = f"{self.engine_id}-{index}"
+        children = [
+            self.state.processor().make_request(
+                f"{user_id}-{i}" if self.params.n > 1 else user_id,
+                tok,
+                sampling_params=_child_params(self.params, i),
+                priority=self.body.priority,
+            )
+            for i in range(self.params.n)
+        ]
+        return user_id, children
 
     async def respond(self, raw_request: Request) -> Response:
         if self.body.stream:
@@ -183,21 +200,11 @@ class _Job:
 
     async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, snapshot) of every prompt, interleaved as they arrive."""
-        processor = self.state.processor()
         started = time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, tok: TokenizedPrompt) -> None:
-            user_id = f"{self.id}-{index}"
-            children = [
-                processor.make_request(
-                    f"{user_id}-{i}" if self.params.n > 1 else user_id,
-                    tok,
-                    sampling_params=_child_params(self.params, i),
-                    priority=self.body.priority,
-                )  # fmt: skip
-                for i in range(self.params.n)
-            ]
+            user_id, children = self.children[index]
             first = True
             try:
                 async for output in self.state.client.generate(user_id, tok.prompt, children):

@@ -89,10 +89,11 @@ async def pool(
     tokenized = processor.tokenize(
         prompts, truncate, body.truncation_side, add_special_tokens=add_special_tokens
     )
-    request_id = new_request_id(prefix, body.request_id)
+    request_id = new_request_id(prefix, body.request_id)  # echoed to the client
+    engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
     requests = [
         processor.make_request(
-            f"{request_id}-{i}", tok, pooling_params=params, priority=body.priority
+            f"{engine_id}-{i}", tok, pooling_params=params, priority=body.priority
         )
         for i, tok in enumerate(tokenized)
     ]

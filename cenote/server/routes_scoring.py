@@ -165,10 +165,11 @@ async def _score(
         body.instruction, body.use_activation, fit_documents,
     )  # fmt: skip
     state.check_capacity(len(plan.prompts))
-    request_id = new_request_id(prefix, body.request_id)
+    request_id = new_request_id(prefix, body.request_id)  # echoed to the client
+    engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
     requests = [
         processor.make_request(
-            f"{request_id}-{i}", prompt, pooling_params=params, priority=body.priority
+            f"{engine_id}-{i}", prompt, pooling_params=params, priority=body.priority
         )
         for i, (prompt, params) in enumerate(zip(plan.prompts, plan.params, strict=True))
     ]

@@ -1,0 +1,102 @@
+"""Requests that used to kill the engine core answer a clear 4xx; the engine stays up.
+
+Reproductions from the server-robustness issue, on the real SmolLM2 GGUF and the default model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+BIG = 18446744073709551616  # 2**64: outside every int64 field
+
+
+@pytest.fixture(scope="module")
+def gen(smollm2_server):
+    with httpx.Client(base_url=smollm2_server.url, timeout=120) as client:
+        yield client
+        assert client.get("/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def emb(default_server):
+    with httpx.Client(base_url=default_server.url, timeout=120) as client:
+        yield client
+        assert client.get("/health").status_code == 200
+
+
+def _error(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    return response.json()["error"]["message"]
+
+
+def test_logprobs_above_the_vocabulary_is_400_not_a_dead_engine(gen):
+    body = {"prompt": "a", "max_tokens": 1, "logprobs": 49153}
+    assert "max_logprobs" in _error(gen.post("/v1/completions", json=body), 400)
+    chat = {
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 1,
+        "logprobs": True,
+        "top_logprobs": 49153,
+    }
+    assert "49153" in _error(gen.post("/v1/chat/completions", json=chat), 400)
+    ok = gen.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "logprobs": 20})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["top_logprobs"][0])
+
+
+def test_client_request_ids_never_collide_in_the_engine(smollm2_server):
+    """A completion with request_id "rid" and n=2 in flight, then an embedding with "rid-0"."""
+
+    async def run() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=smollm2_server.url, timeout=120) as client:
+            completion = asyncio.create_task(
+                client.post(
+                    "/v1/completions",
+                    json={"prompt": "a b c", "max_tokens": 24, "n": 2, "request_id": "rid"},
+                )
+            )
+            await asyncio.sleep(0.3)
+            embedding = client.post("/v1/embeddings", json={"input": "x", "request_id": "rid-0"})
+            same = client.post("/v1/embeddings", json={"input": "y", "request_id": "rid"})
+            return await completion, await embedding, await same
+
+    completion, embedding, same = asyncio.run(run())
+    assert completion.status_code == 200 and len(completion.json()["choices"]) == 2
+    assert completion.json()["id"] == "rid"  # the client's id is echoed, never used as a key
+    assert embedding.status_code == 200 and embedding.json()["id"] == "rid-0"
+    assert same.status_code == 200 and same.json()["id"] == "rid"
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/embeddings", {"input": "hi", "priority": BIG}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "seed": BIG}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [BIG]}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [49153]}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "priority": -BIG}),
+    ],
+)
+def test_integers_outside_their_wire_type_are_400(gen, route, body):
+    response = gen.post(route, json=body)
+    assert response.status_code == 400, response.text
+
+
+def test_a_request_the_core_refuses_is_400_and_the_engine_goes_on():
+    """``--max-num-batched-tokens 128`` on an encoder: a 200-token input can never run."""
+    from tests.server_fixture import ServerProcess
+
+    server = ServerProcess(
+        "--dtype", "float32", "--num-threads", "1", "--max-num-batched-tokens", "128"
+    )
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            long = client.post("/v1/embeddings", json={"input": "word " * 198})
+            assert "128" in _error(long, 400)
+            ok = client.post("/v1/embeddings", json={"input": "short"})
+            assert ok.status_code == 200
+            assert client.get("/health").status_code == 200
+    finally:
+        server.stop()
