@@ -51,14 +51,14 @@ class ClassificationOutput(PoolingOutput):
 
 @dataclass
 class SparseEmbeddingOutput(PoolingOutput):
-    """A sparse (SPLADE) embedding: ``data`` is a sparse COO vector ``[vocab_size]``; its active
-    entries as (token id, weight) pairs, largest weight first."""
+    """A sparse (SPLADE) embedding: ``data`` is the ``[vocab_size]`` weight vector, zero outside
+    the active entries; those as (token id, weight) pairs, largest weight first."""
 
     tokens: list[str] | None = None  # decoded ``token_ids``, when asked for
 
     def _order(self) -> tuple[torch.Tensor, torch.Tensor]:
-        data = self.data.coalesce()
-        ids, weights = data.indices()[0], data.values()
+        ids = self.data.nonzero().flatten()  # ascending ids
+        weights = self.data[ids]
         order = torch.argsort(weights, descending=True, stable=True)
         return ids[order], weights[order]
 
@@ -77,7 +77,11 @@ class SparseEmbeddingOutput(PoolingOutput):
 
     @property
     def num_active(self) -> int:
-        return int(self.data.coalesce().values().numel())
+        return int(torch.count_nonzero(self.data))
+
+    def to_sparse(self) -> torch.Tensor:
+        """The sparse COO form, as sentence-transformers' SparseEncoder returns it."""
+        return self.data.to_sparse()
 
 
 @dataclass

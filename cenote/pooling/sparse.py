@@ -2,7 +2,9 @@
 
 Per prompt, written as a named pipeline (sentence-transformers' SpladePooling, then
 ``max_active_dims``): masked-LM logits of every token -> log1p(relu) -> max or sum over the
-tokens -> keep the k largest -> a sparse COO vector ``[vocab_size]`` (fp32).
+tokens -> keep the k largest. The result is a dense fp32 ``[vocab_size]`` vector whose zeros are
+the inactive entries (what every pooling path and the process boundary carry);
+``SparseEmbeddingOutput`` reads its (token id, weight) pairs.
 """
 
 from __future__ import annotations
@@ -22,19 +24,15 @@ SparseActivation = Literal["relu", "log1p_relu"]
 _ROWS_PER_CHUNK = 128  # bounds the [rows, vocab] logits held at once (16 MB for 30k words)
 
 
-def sparse_vector(weights: torch.Tensor, max_active_dims: int | None) -> torch.Tensor:
-    """``weights [vocab]`` (>= 0) -> a coalesced sparse COO vector of its non-zero entries,
-    only the ``max_active_dims`` largest when given (sentence-transformers' top-k)."""
-    if max_active_dims is not None and max_active_dims < weights.shape[0]:
-        _, top = torch.topk(weights.abs(), max_active_dims)
-        kept = torch.zeros_like(weights)
-        kept[top] = weights[top]
-        weights = kept
-    indices = weights.nonzero().T  # [1, num_active]
-    # valid by construction: sorted, unique, in range
-    return torch.sparse_coo_tensor(
-        indices, weights[indices[0]], weights.shape, is_coalesced=True, check_invariants=False
-    )
+def keep_top_k(weights: torch.Tensor, max_active_dims: int | None) -> torch.Tensor:
+    """``weights [vocab]`` with all but the ``max_active_dims`` largest set to zero
+    (sentence-transformers' ``max_active_dims``); unchanged when None."""
+    if max_active_dims is None or max_active_dims >= weights.shape[0]:
+        return weights
+    _, top = torch.topk(weights.abs(), max_active_dims)
+    kept = torch.zeros_like(weights)
+    kept[top] = weights[top]
+    return kept
 
 
 class SparsePooler(nn.Module):
@@ -64,17 +62,17 @@ class SparsePooler(nn.Module):
         return ("embed_sparse",)
 
     def forward(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
-        """``hidden [num_tokens, hidden]`` rows of the pooled prompts -> one sparse
-        ``[vocab_size]`` vector per request."""
+        """``hidden [num_tokens, hidden]`` rows of the pooled prompts -> one ``[vocab_size]``
+        vector per request, zero outside its active entries."""
         outputs = []
         for rows, params in zip(
             hidden.split(metadata.prompt_lens), metadata.pooling_params, strict=True
         ):
             assert params.task == "embed_sparse", f"{params.task} reached the sparse pooler"
-            # 1) logits -> activate -> pool  2) keep the top k  3) sparse vector
+            # 1) logits -> activate -> pool  2) keep the top k
             weights = self.pool(rows)  # [vocab_size]
             k = params.max_active_dims or self.default_max_active_dims
-            outputs.append(sparse_vector(weights, k))
+            outputs.append(keep_top_k(weights, k))
         return outputs
 
     def pool(self, rows: torch.Tensor) -> torch.Tensor:
