@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from cenote.entrypoints import run_batch
+from cenote.entrypoints import embed, run_batch
 from cenote.server.state import ServerOptions
 
 logger = logging.getLogger("cenote.serve")
@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--log-level", default="info")
     run_batch.add_parser(commands)
+    embed.add_parser(commands)
     return parser
 
 
