@@ -16,12 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 from corpus_factories import corpus, embed_job, read_output, write_jsonl
 from server_fixture import free_port
 
 from cenote.corpus.readers import open_source
-
-ray = pytest.importorskip("ray")  # the test extra installs it; scripts/test.sh always does
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 RAY_BIN = Path(sys.executable).with_name("ray")
