@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cenote
-from cenote.server import routes_generate, routes_pooling, routes_scoring
+from cenote.server import routes_generate, routes_pooling, routes_scoring, routes_sparse
 from cenote.server.body import JSONRoute
 from cenote.server.errors import (
     APIError,
@@ -74,6 +74,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_openapi(app)
     app.include_router(router)
     app.include_router(routes_pooling.router)
+    app.include_router(routes_sparse.router)  # TEI /embed_sparse
     app.include_router(routes_scoring.router)
     app.include_router(routes_generate.router)
     app.add_middleware(FrontDoor, state=state)
