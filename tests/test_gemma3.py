@@ -385,3 +385,28 @@ def test_causal_gemma3_text_model_matches_transformers(tmp_path: Path) -> None:
         with torch.no_grad():
             expected = trunk(torch.tensor([prompt])).last_hidden_state[0]
         torch.testing.assert_close(out.outputs.data.float(), expected, atol=ATOL, rtol=0)
+
+
+def test_older_config_keys_match_transformers() -> None:
+    """Hub configs before transformers 5 (Gemma 3 4B, EmbeddingGemma): ``rope_theta`` +
+    ``rope_scaling`` for global layers, ``rope_local_base_freq`` for local ones, and
+    ``sliding_window_pattern`` instead of ``layer_types``."""
+    from cenote.models.gemma3 import gemma3_layer_types, gemma3_rope_parameters
+    from cenote.models.layers.rotary import RotaryEmbedding
+
+    old = {
+        **{k: v for k, v in _SMALL.items() if k not in ("layer_types", "rope_parameters")},
+        "num_hidden_layers": 8,
+        "sliding_window": 16,
+        "sliding_window_pattern": 4,
+        "rope_theta": 500000.0,
+        "rope_local_base_freq": 5000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    hf_config = transformers.Gemma3TextConfig(**old)
+    assert gemma3_layer_types(old) == hf_config.layer_types
+    rope = gemma3_rope_parameters(old)
+    reference = transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(hf_config)
+    for kind in ("sliding_attention", "full_attention"):
+        ours = RotaryEmbedding(16, {**old, "rope_parameters": rope[kind]}).inv_freq
+        torch.testing.assert_close(ours, getattr(reference, f"{kind}_inv_freq"), atol=0, rtol=1e-6)
