@@ -100,3 +100,45 @@ def test_a_request_the_core_refuses_is_400_and_the_engine_goes_on():
             assert client.get("/health").status_code == 200
     finally:
         server.stop()
+
+
+# ---- bounded work per request ----------------------------------------------------------------
+
+
+def test_token_embed_amplification_is_refused_before_running(emb):
+    """256 inputs x 256 token ids (a 0.4 MB body) would answer ~500 MB of JSON."""
+    body = {"task": "token_embed", "input": [[1000 + i for i in range(256)]] * 256}
+    message = _error(emb.post("/pooling", json=body), 400)
+    assert "25165824 numbers" in message and "--max-response-values" in message
+
+
+def test_a_request_over_the_token_bound_is_400(emb):
+    body = {"input": ["word " * 300] * 300, "truncate_prompt_tokens": -1}  # 300 x 256 tokens
+    message = _error(emb.post("/v1/embeddings", json=body), 400)
+    assert "76800 tokens" in message and "--max-request-tokens" in message
+
+
+def test_small_requests_flow_while_a_maximal_one_runs(default_server):
+    """A maximal request goes to the core in waves: a small request sent after it is answered
+    before it, and /health answers meanwhile."""
+    big = {"input": ["word " * 300] * 256, "truncate_prompt_tokens": -1}  # 65,536 tokens
+
+    async def run() -> list[str]:
+        order: list[str] = []
+        async with httpx.AsyncClient(base_url=default_server.url, timeout=300) as client:
+
+            async def send(name: str, body: dict) -> None:
+                response = await client.post("/v1/embeddings", json=body)
+                assert response.status_code == 200, response.text
+                order.append(name)
+
+            big_task = asyncio.create_task(send("big", big))
+            await asyncio.sleep(0.3)
+            health = await client.get("/health")
+            assert health.status_code == 200
+            await asyncio.gather(*(send(f"small{i}", {"input": "a query"}) for i in range(3)))
+            await big_task
+        return order
+
+    order = asyncio.run(run())
+    assert order[-1] == "big", order

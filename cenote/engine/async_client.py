@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -40,6 +41,9 @@ from cenote.errors import EngineDeadError
 from cenote.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
+
+# a pooling request keeps at most this many steps' token budget in the core at once
+_WAVE_STEPS = 2
 
 StepCallback = Callable[[SchedulerStats | None, list[float]], None]
 
@@ -156,19 +160,40 @@ class AsyncEngineClient:
         prompts: list[str | None],
         output_class: type[PoolingOutput],
     ) -> list[PoolingRequestOutput]:
-        """Run pooling requests to completion; results in the order given."""
+        """Run pooling requests to completion; results in the order given.
+
+        A big request is sent in waves of about two steps' token budget, the next input going
+        out as an earlier one finishes: requests that arrive meanwhile queue behind a wave, not
+        behind all of it, and small requests keep flowing while a maximal one runs."""
         ids = [r.request_id for r in requests]
         queues = [self._register(request_id) for request_id in ids]
         for request, prompt in zip(requests, prompts, strict=True):
             self.output_processor.add_pooling_request(request, prompt, output_class)
+        window = _WAVE_STEPS * self.config.scheduler.max_num_batched_tokens
+        unsent = deque(requests)
+        in_flight = 0  # tokens sent and not finished
+
+        def send_more() -> None:
+            nonlocal in_flight
+            wave: list[EngineCoreRequest] = []
+            while unsent and (
+                in_flight == 0 or in_flight + len(unsent[0].prompt_token_ids) <= window
+            ):
+                wave.append(unsent.popleft())
+                in_flight += len(wave[-1].prompt_token_ids)
+            if wave:
+                self._send(AddRequests(requests=wave))
+
         try:
-            self._send(AddRequests(requests=requests))
+            send_more()
             results = []
-            for queue in queues:
-                output = await queue.get()
+            for request, queue in zip(requests, queues, strict=True):
+                output = await queue.get()  # sent: every earlier input has finished
                 if isinstance(output, Exception):
                     raise output
                 results.append(output)
+                in_flight -= len(request.prompt_token_ids)
+                send_more()
             return results
         finally:
             self._release(ids)

@@ -65,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
         help="requests queued beyond --max-num-seqs before answering 429",
     )  # fmt: skip
     serve.add_argument(
+        "--max-request-tokens", type=int, default=defaults.max_request_tokens,
+        help="prompt tokens of one request, all its inputs together (more: 400)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-response-values", type=int, default=defaults.max_response_values,
+        help="numbers in one pooling response, e.g. token_embed tokens x size (more: 400)",
+    )  # fmt: skip
+    serve.add_argument(
         "--auto-truncate", action="store_true",
         help="embedding routes cut inputs longer than the model's limit instead of refusing them",
     )  # fmt: skip
@@ -111,6 +119,7 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         max_inputs=args.max_inputs, max_input_chars=args.max_input_chars,
         max_waiting_requests=args.max_waiting_requests, auto_truncate=args.auto_truncate,
+        max_request_tokens=args.max_request_tokens, max_response_values=args.max_response_values,
     )  # fmt: skip
     state = ServerState(_engine_config(args), options)
     config = uvicorn.Config(

@@ -225,6 +225,10 @@ async def metrics(raw_request: Request) -> Response:
 @router.post("/tokenize", responses=schema(TokenizeResponse, 400, 401, 404, 413, 503))
 async def tokenize(body: TokenizeRequest, raw_request: Request) -> JSONResponse:
     state = get_state(raw_request)
+    return JSONResponse(await state.offload(_tokenize, state, body))  # off the event loop
+
+
+def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("pass exactly one of 'prompt' and 'messages'", param="prompt")
@@ -244,7 +248,7 @@ async def tokenize(body: TokenizeRequest, raw_request: Request) -> JSONResponse:
     result = {"tokens": ids, "count": len(ids), "max_model_len": state.model_config.max_model_len}
     if body.return_token_strs:
         result["token_strs"] = [state.tokenizer.id_to_token(t) or "" for t in ids]
-    return JSONResponse(result)
+    return result
 
 
 @router.post("/detokenize", responses=schema(DetokenizeResponse, 400, 401, 404, 413, 503))
@@ -255,7 +259,8 @@ async def detokenize(body: DetokenizeRequest, raw_request: Request) -> JSONRespo
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})", "tokens")
-    return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=True)})
+    text = await state.offload(state.tokenizer.decode, body.tokens, skip_special_tokens=True)
+    return JSONResponse({"prompt": text})
 
 
 @router.post("/invocations", responses=schema(None))

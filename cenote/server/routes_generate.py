@@ -30,6 +30,12 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/comple
 @router.post("/v1/completions", responses=schema(CompletionResponse, stream=True))
 async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
+    job = await state.offload(_completion_job, state, body)  # tokenization off the event loop
+    return await job.respond(raw_request)
+
+
+def _completion_job(state: ServerState, body: CompletionRequest) -> _Job:
+    """The validated, tokenized job of a completion request."""
     _check_request(state, body)
     if body.suffix is not None:
         raise BadRequest("suffix is not supported: cenote does not fill in the middle", "suffix")
@@ -43,13 +49,18 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
     if body.echo and body.logprobs is not None:  # echoed prompt tokens carry their logprobs
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     params = _sampling_params(state, body, tokenized, max_tokens, body.logprobs, prompt_logprobs)
-    job = _Job(state, body, "cmpl", "text_completion", tokenized, params, chat=False)
-    return await job.respond(raw_request)
+    return _Job(state, body, "cmpl", "text_completion", tokenized, params, chat=False)
 
 
 @router.post("/v1/chat/completions", responses=schema(ChatCompletionResponse, stream=True))
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
+    job = await state.offload(_chat_job, state, body)  # template + tokenizer off the event loop
+    return await job.respond(raw_request)
+
+
+def _chat_job(state: ServerState, body: ChatCompletionRequest) -> _Job:
+    """The validated, tokenized job of a chat completion request."""
     _check_request(state, body)
     if body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -65,8 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     if max_tokens is None:  # the rest of the context, as vLLM
         max_tokens = max(state.model_config.max_model_len - _longest(tokenized), 1)
     params = _sampling_params(state, body, tokenized, max_tokens, logprobs, body.prompt_logprobs)
-    job = _Job(state, body, "chatcmpl", "chat.completion", tokenized, params, chat=True)
-    return await job.respond(raw_request)
+    return _Job(state, body, "chatcmpl", "chat.completion", tokenized, params, chat=True)
 
 
 def _check_request(state: ServerState, body: _GenerationBody) -> None:
@@ -109,10 +119,12 @@ def _tokenize(state: ServerState, body: _GenerationBody, prompts: list, add_spec
             param="n",
         )
     state.check_capacity(len(prompts) * body.n)
-    return processor.tokenize(
+    tokenized = processor.tokenize(
         prompts, body.truncate_prompt_tokens, body.truncation_side,
         add_special_tokens=add_special_tokens, is_pooling=False,
     )  # fmt: skip
+    state.check_request_tokens(sum(len(t.prompt_token_ids) for t in tokenized))
+    return tokenized
 
 
 def _longest(tokenized: list[TokenizedPrompt]) -> int:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import base64
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from cenote.engine.messages import EngineCoreRequest
 from cenote.outputs import EmbeddingOutput, PoolingOutput, PoolingRequestOutput
 from cenote.pooling_params import PoolingParams
 from cenote.server.body import JSONRoute
@@ -23,6 +26,7 @@ from cenote.tasks import POOLING_TASKS, PoolingTask
 
 router = APIRouter(route_class=JSONRoute)
 
+_INLINE_RESPONSE_VALUES = 1 << 14  # larger responses are encoded off the event loop
 _EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -31,13 +35,7 @@ _EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
     outputs, request_id = await pool(state, body, "embed", "embd", EmbeddingOutput)
-    if body.encoding_format == "bytes":
-        return bytes_response(state, request_id, outputs, body)
-    data = [
-        {"object": "embedding", "index": i, "embedding": _encode(out.outputs.data, body)}
-        for i, out in enumerate(outputs)
-    ]
-    return list_response(state, request_id, data, outputs)
+    return await respond(state, _respond, state, request_id, outputs, body, "embedding")
 
 
 @router.post("/pooling", responses=schema(PoolingResponse, binary=True))
@@ -46,13 +44,36 @@ async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response
     state = get_state(raw_request)
     task = body.task or _default_pooling_task(state)
     outputs, request_id = await pool(state, body, task, "pool", PoolingOutput)
+    return await respond(state, _respond, state, request_id, outputs, body, "pooling")
+
+
+def _respond(
+    state: ServerState,
+    request_id: str,
+    outputs: list[PoolingRequestOutput],
+    body: _PoolingBody,
+    object_name: str,
+) -> Response:
+    """The response body of embeddings ("embedding") or pooling ("pooling") outputs."""
     if body.encoding_format == "bytes":
         return bytes_response(state, request_id, outputs, body)
+    key = "embedding" if object_name == "embedding" else "data"
     data = [
-        {"object": "pooling", "index": i, "data": _encode(out.outputs.data, body)}
+        {"object": object_name, "index": i, key: _encode(out.outputs.data, body)}
         for i, out in enumerate(outputs)
     ]
     return list_response(state, request_id, data, outputs)
+
+
+async def respond(
+    state: ServerState, build: Callable[..., Response], *args: Any, outputs_at: int = 2
+) -> Response:
+    """Build a response, off the event loop when its outputs are large (lists and JSON of
+    millions of numbers would stall every other request)."""
+    outputs: list[PoolingRequestOutput] = args[outputs_at]
+    if sum(out.outputs.data.numel() for out in outputs) <= _INLINE_RESPONSE_VALUES:
+        return build(*args)
+    return await state.offload(build, *args)
 
 
 def _default_pooling_task(state: ServerState) -> PoolingTask:
@@ -64,7 +85,16 @@ async def pool(
     state: ServerState, body: _PoolingBody, task: PoolingTask, prefix: str, output_class: type
 ) -> tuple[list[PoolingRequestOutput], str]:
     """Run ``task`` on each input of ``body``; outputs in input order, and the request id."""
-    # 1) validate: model, task, inputs, options
+    # 1) validate and tokenize, off the event loop; 2) run in the core
+    requests, prompts, request_id = await state.offload(_prepare, state, body, task, prefix)
+    outputs = await state.run_pooling(requests, prompts, output_class)
+    return outputs, request_id
+
+
+def _prepare(
+    state: ServerState, body: _PoolingBody, task: PoolingTask, prefix: str
+) -> tuple[list[EngineCoreRequest], list[str | None], str]:
+    """The engine requests of ``body`` (validated, tokenized), their texts and the request id."""
     processor = state.processor()
     state.check_model(body.model)
     state.check_task(task)
@@ -85,10 +115,14 @@ async def pool(
         truncation_side=body.truncation_side,
     )
     processor.check_pooling_params(params)
-    # 2) tokenize (here, in the front process), 3) run in the core
     tokenized = processor.tokenize(
         prompts, truncate, body.truncation_side, add_special_tokens=add_special_tokens
     )
+    num_tokens = sum(len(t.prompt_token_ids) for t in tokenized)
+    state.check_request_tokens(num_tokens)
+    if task in ("token_embed", "token_classify"):
+        width = _output_width(state, params)
+        state.check_response_values(num_tokens * width, f"{num_tokens} tokens x {width}")
     request_id = new_request_id(prefix, body.request_id)  # echoed to the client
     engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
     requests = [
@@ -97,8 +131,15 @@ async def pool(
         )
         for i, tok in enumerate(tokenized)
     ]
-    outputs = await state.run_pooling(requests, [t.prompt for t in tokenized], output_class)
-    return outputs, request_id
+    return requests, [t.prompt for t in tokenized], request_id
+
+
+def _output_width(state: ServerState, params: PoolingParams) -> int:
+    """Numbers per token of a token-level output."""
+    capabilities = state.client.capabilities
+    if params.task == "token_embed":
+        return params.dimensions or capabilities.embedding_size or 1
+    return capabilities.num_labels or 1
 
 
 def _prompts(state: ServerState, body: _PoolingBody) -> tuple[list, bool]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from cenote.engine.scoring import pair_texts, plan_scores
+from cenote.engine.messages import EngineCoreRequest
+from cenote.engine.scoring import ScorePlan, pair_texts, plan_scores
 from cenote.outputs import ClassificationOutput, PoolingRequestOutput
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest
@@ -150,7 +151,24 @@ async def _score(
     """Pair scores in pair order, the outputs of the requests run, the request id, and the
     number of documents cut. ``fit_documents`` (rerank): documents are cut to fit the model
     and to ``max_tokens_per_doc`` (default 4096, Cohere's)."""
-    # 1) validate: model, inputs  2) plan and tokenize (here, in the front process)  3) run
+    # 1) validate, plan and tokenize, off the event loop  2) run in the core
+    plan, requests, request_id = await state.offload(
+        _prepare, state, body, text_1, text_2, prefix, fit_documents
+    )
+    prompts = [p.prompt for p in plan.prompts]
+    outputs = await state.run_pooling(requests, prompts, plan.output_class)
+    return plan.scores(outputs), outputs, request_id, plan.num_truncated_documents
+
+
+def _prepare(
+    state: ServerState,
+    body: _ScoringBody,
+    text_1: str | list[str],
+    text_2: str | list[str],
+    prefix: str,
+    fit_documents: bool,
+) -> tuple[ScorePlan, list[EngineCoreRequest], str]:
+    """The score plan of ``body``, its engine requests (validated, tokenized), the request id."""
     processor = state.processor()
     state.check_model(body.model)
     pairs = pair_texts(text_1, text_2)
@@ -173,6 +191,5 @@ async def _score(
         )
         for i, (prompt, params) in enumerate(zip(plan.prompts, plan.params, strict=True))
     ]
-    prompts = [p.prompt for p in plan.prompts]
-    outputs = await state.run_pooling(requests, prompts, plan.output_class)
-    return plan.scores(outputs), outputs, request_id, plan.num_truncated_documents
+    state.check_request_tokens(sum(len(p.prompt_token_ids) for p in plan.prompts))
+    return plan, requests, request_id

@@ -8,8 +8,9 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -25,6 +26,8 @@ from cenote.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -39,6 +42,9 @@ class ServerOptions:
     max_waiting_requests: int = 4096  # beyond running ones; more answers 429
     engine_dead_exit_delay_s: float = 2.0  # keep answering 503 this long before exiting
     auto_truncate: bool = False  # embedding routes cut long inputs to fit (TEI's option)
+    max_request_tokens: int = 65536  # prompt tokens of one request, all its inputs together
+    max_response_values: int = 1 << 22  # numbers in one pooling response (token-level outputs)
+    blocking_threads: int = 2  # threads for tokenization, chat templates and big JSON bodies
 
 
 class ServerState:
@@ -56,6 +62,32 @@ class ServerState:
         )
         self.input_processor: InputProcessor | None = None  # set once the core is ready
         self.on_engine_dead: Callable[[str], None] | None = None
+        # CPU-bound work of a request runs here, never on the event loop
+        self._blocking = ThreadPoolExecutor(options.blocking_threads, "cenote-front")
+
+    async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` (tokenization, templates, JSON of a large body) off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._blocking, functools.partial(fn, *args, **kwargs))
+
+    def check_request_tokens(self, num_tokens: int) -> None:
+        """One request may not hold the engine: its inputs together have a token bound."""
+        limit = self.options.max_request_tokens
+        if num_tokens > limit:
+            raise BadRequest(
+                f"the request's inputs have {num_tokens} tokens together, more than this "
+                f"server's limit of {limit} per request (--max-request-tokens); split it"
+            )
+
+    def check_response_values(self, num_values: int, what: str) -> None:
+        """A response may not be arbitrarily larger than its request (token-level outputs)."""
+        limit = self.options.max_response_values
+        if num_values > limit:
+            raise BadRequest(
+                f"the response would hold {num_values} numbers ({what}), more than this server's "
+                f"limit of {limit} per response (--max-response-values); send fewer or shorter "
+                "inputs per request"
+            )
 
     async def start(self) -> None:
         capabilities = await self.client.start()
