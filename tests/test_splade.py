@@ -281,3 +281,16 @@ def test_pretraining_checkpoint_with_untied_decoder_copies_loads(masked_lms, tmp
     with torch.no_grad():
         expected = torch.log1p(torch.relu(model(torch.tensor([prompt])).logits[0])).amax(0)
     torch.testing.assert_close(out.outputs.data, expected, atol=ATOL, rtol=0)
+
+
+def test_score_is_the_dot_product_as_sparse_encoder(bert_splade: Path, bert_llm: LLM) -> None:
+    from sentence_transformers import SparseEncoder
+
+    torch.set_num_threads(NUM_THREADS)
+    encoder = SparseEncoder(str(bert_splade), device="cpu").eval()
+    query, documents = TEXTS[0], TEXTS[1:]
+    q = encoder.encode([query], convert_to_tensor=True)
+    d = encoder.encode(documents, convert_to_tensor=True)
+    expected = encoder.similarity(q, d)[0]  # dot product (SparseEncoder's default)
+    got = torch.tensor([out.outputs.score for out in bert_llm.score(query, documents)])
+    torch.testing.assert_close(got, expected.float(), atol=ATOL, rtol=0)

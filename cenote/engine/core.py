@@ -210,6 +210,8 @@ def _score_type(hf_config: dict, tasks: tuple[str, ...]) -> ScoreType | None:
         return "late_interaction"
     if "embed" in tasks:
         return "bi_encoder"
+    if "embed_sparse" in tasks:
+        return "sparse"
     return None
 
 

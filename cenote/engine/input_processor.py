@@ -17,7 +17,8 @@ from cenote.models.colbert import TextRole, colbert_prompts
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
-ScoreType = Literal["cross_encoder", "bi_encoder", "late_interaction"]
+# sparse: dot product of sparse (SPLADE) embeddings, as sentence-transformers' SparseEncoder
+ScoreType = Literal["cross_encoder", "bi_encoder", "late_interaction", "sparse"]
 PromptType = str | dict[str, Any]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
 
 

@@ -87,6 +87,13 @@ def cosine_scores(queries: list[torch.Tensor], documents: list[torch.Tensor]) ->
     return F.cosine_similarity(q, d, dim=-1).tolist()
 
 
+def dot_scores(queries: list[torch.Tensor], documents: list[torch.Tensor]) -> list[float]:
+    """Dot product of each (query, document) pair: sparse (SPLADE) vocabulary weights, fp32."""
+    q = torch.stack([x.float() for x in queries])  # [num_pairs, vocab_size]
+    d = torch.stack([x.float() for x in documents])
+    return (q * d).sum(dim=-1).tolist()
+
+
 def maxsim_scores(queries: list[torch.Tensor], documents: list[torch.Tensor]) -> list[float]:
     """Late interaction (ColBERT): for each query token the best document token's dot product,
     summed over query tokens. Inputs: ``[num_tokens, dim]`` per text, fp32. All-zero document
@@ -113,6 +120,7 @@ class ScorePlan:
     query_rows: list[int]  # per pair: the row of its query (or of the pair) in ``prompts``
     document_rows: list[int] | None  # per pair: the row of its document; None: cross-encoder
     late_interaction: bool = False  # MaxSim over token embeddings instead of cosine
+    sparse: bool = False  # dot product of sparse embeddings instead of cosine
     num_truncated_documents: int = 0  # documents cut (to fit, or to max_tokens_per_doc)
 
     def scores(self, outputs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
@@ -127,6 +135,8 @@ class ScorePlan:
                 for row in self.query_rows
             ]
         similarity = maxsim_scores if self.late_interaction else cosine_scores
+        if self.sparse:
+            similarity = dot_scores
         queries = [outputs[row] for row in self.query_rows]
         documents = [outputs[row] for row in self.document_rows]
         values = similarity([q.outputs.data for q in queries], [d.outputs.data for d in documents])
@@ -274,6 +284,9 @@ def _plan_embedding(
     """Embed each distinct query once and every document, then compare per pair."""
     late_interaction = processor.capabilities.score_type == "late_interaction"
     task = "token_embed" if late_interaction else "embed"
+    sparse = processor.capabilities.score_type == "sparse"
+    if sparse:
+        task = "embed_sparse"
     doc_truncate = truncate_prompt_tokens
     if max_tokens_per_doc is not None:
         limit = processor.model_config.max_model_len
@@ -300,6 +313,7 @@ def _plan_embedding(
         query_rows=[query_index[q] for q, _ in pairs],
         document_rows=[num_queries + i for i in range(len(pairs))],
         late_interaction=late_interaction,
+        sparse=sparse,
         num_truncated_documents=num_cut,
     )
 

@@ -202,7 +202,8 @@ class LLM:
     ) -> list[PoolingRequestOutput[ScoringOutput]]:
         """Relevance of each (text_1, text_2) pair (1 -> 1, 1 -> N, N -> N), in input order.
         Classifiers score pairs as cross-encoders; embedding models compare embeddings (cosine);
-        late-interaction models compare token embeddings (MaxSim)."""
+        late-interaction models compare token embeddings (MaxSim); sparse (SPLADE) models take
+        the dot product of their sparse embeddings."""
         pairs = scoring.pair_texts(text_1, text_2)
         plan = scoring.plan_scores(
             self.input_processor, pairs, truncate_prompt_tokens, max_tokens_per_doc, instruction
