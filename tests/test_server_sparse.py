@@ -36,7 +36,9 @@ def offline(splade_dir: Path) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def client(splade_dir: Path):
-    server = ServerProcess(str(splade_dir), "--dtype", "float32", "--num-threads", "1")
+    server = ServerProcess(
+        str(splade_dir), "--dtype", "float32", "--num-threads", "1", "--max-response-values", "600"
+    )
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             yield client
@@ -75,4 +77,7 @@ def test_bad_requests(client: httpx.Client) -> None:
     assert client.post("/embed_sparse", json={"inputs": "a", "top": 3}).status_code == 400
     dense = client.post("/v1/embeddings", json={"input": "a dog"})
     assert dense.status_code == 400 and "embed_sparse" in dense.text
+    # a vocabulary-sized vector per input (128 here): 5 inputs exceed --max-response-values 600
+    many = client.post("/pooling", json={"input": TEXTS + ["a"], "task": "embed_sparse"})
+    assert many.status_code == 400 and "--max-response-values" in many.text
     assert client.get("/health").status_code == 200  # the engine survived all of it

@@ -123,6 +123,9 @@ def _prepare(
     if task in ("token_embed", "token_classify"):
         width = _output_width(state, params)
         state.check_response_values(num_tokens * width, f"{num_tokens} tokens x {width}")
+    if task == "embed_sparse":  # up to one weight per vocabulary entry and input
+        vocab = state.model_config.vocab_size
+        state.check_response_values(len(tokenized) * vocab, f"{len(tokenized)} inputs x {vocab}")
     request_id = new_request_id(prefix, body.request_id)  # echoed to the client
     engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
     requests = [
