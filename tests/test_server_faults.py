@@ -6,6 +6,11 @@ Reproductions from the server-robustness issue, on the real SmolLM2 GGUF and the
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import tempfile
+import threading
+import time
 
 import httpx
 import pytest
@@ -142,3 +147,56 @@ def test_small_requests_flow_while_a_maximal_one_runs(default_server):
 
     order = asyncio.run(run())
     assert order[-1] == "big", order
+
+
+# ---- clean ends --------------------------------------------------------------------------------
+
+
+def _ipc_dirs() -> set[str]:
+    import glob
+
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "cenote-ipc-*")))
+
+
+def test_hung_core_fails_health_and_a_group_signal_drains_and_exits_0():
+    """SIGSTOP of the core: /health says hung (heartbeat deadline), then recovers on SIGCONT.
+    SIGTERM to the whole process group (Ctrl-C in a terminal sends SIGINT the same way): the
+    in-flight request is answered, exit 0, no traceback, the IPC directory removed."""
+    from tests.server_fixture import ServerProcess
+
+    before = _ipc_dirs()
+    server = ServerProcess(
+        "--dtype", "float32", "--num-threads", "1", "--engine-heartbeat-timeout", "1.5"
+    )  # fmt: skip
+    created = _ipc_dirs() - before
+    try:
+        core = server.engine_pid()
+        os.kill(core, signal.SIGSTOP)
+        try:
+            time.sleep(2.5)
+            health = httpx.get(f"{server.url}/health", timeout=10)
+            assert health.status_code == 503 and "hung" in health.json()["error"]["message"]
+        finally:
+            os.kill(core, signal.SIGCONT)
+        time.sleep(1.0)  # the next heartbeat
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+        result = {}
+        body = {"input": ["word " * 300] * 128, "truncate_prompt_tokens": -1}
+
+        def send() -> None:
+            result["response"] = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=120)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        time.sleep(0.5)
+        os.killpg(server.process.pid, signal.SIGTERM)
+        thread.join(120)
+        assert result["response"].status_code == 200
+        assert len(result["response"].json()["data"]) == 128
+        assert server.process.wait(60) == 0
+        log = server.log()
+        assert "Traceback" not in log and "unexpectedly" not in log, log[-3000:]
+        assert created and not any(os.path.exists(d) for d in created)
+    finally:
+        server.stop()

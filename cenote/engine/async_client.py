@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -68,6 +69,7 @@ class AsyncEngineClient:
         self._encoder = make_encoder()
         self._decoder = output_decoder()
         self._process: multiprocessing.process.BaseProcess | None = None
+        self._last_heard = time.monotonic()  # the core's last message (heartbeat or outputs)
         self._closing = False
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -239,9 +241,15 @@ class AsyncEngineClient:
             raise EngineDeadError(self.dead_reason)
         self._inputs.send(self._encoder.encode(message), copy=False)
 
+    @property
+    def silent_for(self) -> float:
+        """Seconds since the core last sent anything (outputs or an idle heartbeat)."""
+        return time.monotonic() - self._last_heard
+
     async def _output_loop(self) -> None:
         while True:
             message = self._decoder.decode(await self._outputs.recv())
+            self._last_heard = time.monotonic()
             if isinstance(message, CoreFailed):
                 self.mark_dead(f"the engine core failed: {message.message}")
                 return

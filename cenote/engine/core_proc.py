@@ -20,6 +20,7 @@ from cenote.engine.ipc import (
     AbortRequests,
     AddRequests,
     CoreFailed,
+    Heartbeat,
     Ready,
     Shutdown,
     StepOutputs,
@@ -35,7 +36,10 @@ _IDLE_POLL_MS = 500  # how often an idle core checks that its front process is s
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
     """Process entry point (spawned by ``AsyncEngineClient``)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
+    # Ctrl-C or a SIGTERM to the whole process group is the front's to handle: it drains its
+    # requests through this core, then sends Shutdown (the core also exits if the front dies).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
     parent_pid = os.getppid()
     context = zmq.Context(io_threads=1)
@@ -80,6 +84,7 @@ class _CoreLoop:
             elif not busy:
                 if os.getppid() != self.parent_pid:
                     return  # the front process is gone
+                self.outputs.send(self.encoder.encode(Heartbeat()))
                 continue
             else:
                 failed = []

@@ -53,7 +53,11 @@ class CoreFailed(msgspec.Struct, tag=True):
     message: str
 
 
-CoreMessage = Ready | StepOutputs | CoreFailed
+class Heartbeat(msgspec.Struct, tag=True):
+    """Core -> front, while idle: the loop is alive (a step's outputs say so while busy)."""
+
+
+CoreMessage = Ready | StepOutputs | CoreFailed | Heartbeat
 
 
 def _encode_tensor(obj: object) -> msgspec.msgpack.Ext:

@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         help="requests queued beyond --max-num-seqs before answering 429",
     )  # fmt: skip
     serve.add_argument(
+        "--engine-heartbeat-timeout", type=float, default=defaults.engine_heartbeat_timeout_s,
+        help="seconds without a word from the engine core before /health reports it hung",
+    )  # fmt: skip
+    serve.add_argument(
         "--max-request-tokens", type=int, default=defaults.max_request_tokens,
         help="prompt tokens of one request, all its inputs together (more: 400)",
     )  # fmt: skip
@@ -120,6 +124,7 @@ def serve(args: argparse.Namespace) -> int:
         max_inputs=args.max_inputs, max_input_chars=args.max_input_chars,
         max_waiting_requests=args.max_waiting_requests, auto_truncate=args.auto_truncate,
         max_request_tokens=args.max_request_tokens, max_response_values=args.max_response_values,
+        engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
     )  # fmt: skip
     state = ServerState(_engine_config(args), options)
     config = uvicorn.Config(

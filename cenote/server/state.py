@@ -45,6 +45,7 @@ class ServerOptions:
     max_request_tokens: int = 65536  # prompt tokens of one request, all its inputs together
     max_response_values: int = 1 << 22  # numbers in one pooling response (token-level outputs)
     blocking_threads: int = 2  # threads for tokenization, chat templates and big JSON bodies
+    engine_heartbeat_timeout_s: float = 30.0  # /health fails when the core is silent this long
 
 
 class ServerState:
