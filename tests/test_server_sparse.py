@@ -1,5 +1,6 @@
-"""Sparse (SPLADE) embeddings through ``cenote serve``: TEI's ``/embed_sparse`` and
-``/pooling`` with ``task: embed_sparse``, equal to the offline ``LLM.embed_sparse``."""
+"""Sparse (SPLADE) embeddings through ``cenote serve``: TEI's ``/embed_sparse``, ``/pooling``
+with ``task: embed_sparse`` and ``/v1/embeddings`` with ``sparse: true``, equal to the offline
+``LLM.embed_sparse``."""
 
 from __future__ import annotations
 
@@ -65,6 +66,21 @@ def test_pooling_route_gives_the_vocabulary_vector(client: httpx.Client, offline
     assert response.status_code == 200, response.text
     data = torch.tensor([item["data"] for item in response.json()["data"]])
     torch.testing.assert_close(data, offline, atol=ATOL, rtol=0)
+
+
+def test_openai_embeddings_with_sparse_extension(client: httpx.Client, offline) -> None:
+    response = client.post("/v1/embeddings", json={"input": TEXTS, "sparse": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "list" and body["usage"]["prompt_tokens"] > 0
+    for item, expected in zip(body["data"], offline, strict=True):
+        embedding = item["embedding"]
+        assert embedding["indices"] == expected.nonzero().flatten().tolist()
+        got = torch.tensor(embedding["values"])
+        torch.testing.assert_close(got, expected[embedding["indices"]], atol=ATOL, rtol=0)
+    base64 = {"input": "a dog", "sparse": True, "encoding_format": "base64"}
+    refused = client.post("/v1/embeddings", json=base64)
+    assert refused.status_code == 400 and "encoding_format" in refused.text
 
 
 def test_bad_requests(client: httpx.Client) -> None:

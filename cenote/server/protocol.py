@@ -51,6 +51,9 @@ class _PoolingBody(_ChatInput):
 class EmbeddingRequest(_PoolingBody):
     """POST /v1/embeddings."""
 
+    # cenote extension: sparse (SPLADE) models answer {"indices": [...], "values": [...]}
+    sparse: bool = False
+
 
 class PoolingRequest(_PoolingBody):
     """POST /pooling: the raw pooler output of ``task``."""

@@ -34,6 +34,10 @@ _EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 @with_cancellation
 async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
+    if body.sparse:  # cenote extension: sparse embeddings (routes_sparse.py)
+        from cenote.server.routes_sparse import sparse_embeddings
+
+        return await sparse_embeddings(state, body)
     outputs, request_id = await pool(state, body, "embed", "embd", EmbeddingOutput)
     return await respond(state, _respond, state, request_id, outputs, body, "embedding")
 

@@ -1,20 +1,21 @@
-"""POST /embed_sparse, text-embeddings-inference's shape: one list of ``{index, value}`` (token
-id, weight) per input, in index order, for sparse (SPLADE) models."""
+"""Sparse (SPLADE) embeddings over HTTP: POST /embed_sparse in text-embeddings-inference's shape
+(one list of ``{index, value}`` (token id, weight) per input, in index order), and
+``/v1/embeddings`` with ``sparse: true`` (``embedding: {indices, values}``, a cenote extension)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from cenote.outputs import SparseEmbeddingOutput
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest
-from cenote.server.protocol import PoolingRequest, PromptInput, _Body
+from cenote.server.protocol import EmbeddingRequest, PoolingRequest, PromptInput, _Body
 from cenote.server.responses import schema
-from cenote.server.routes_pooling import pool
-from cenote.server.state import get_state, with_cancellation
+from cenote.server.routes_pooling import list_response, pool
+from cenote.server.state import ServerState, get_state, with_cancellation
 
 router = APIRouter(route_class=JSONRoute)
 
@@ -52,3 +53,24 @@ def _sparse_values(output: SparseEmbeddingOutput) -> list[dict[str, float]]:
         {"index": i, "value": v}
         for i, v in zip(ids.tolist(), output.data[ids].tolist(), strict=True)
     ]
+
+
+async def sparse_embeddings(state: ServerState, body: EmbeddingRequest) -> Response:
+    """``/v1/embeddings`` with ``sparse: true``: each item's ``embedding`` is
+    ``{"indices": [token ids, ascending], "values": [weights]}``."""
+    if body.encoding_format != "float":
+        raise BadRequest(
+            "sparse embeddings are answered as JSON index/value lists: encoding_format must be "
+            f"'float', got {body.encoding_format!r}",
+            "encoding_format",
+        )
+    outputs, request_id = await pool(state, body, "embed_sparse", "embd", SparseEmbeddingOutput)
+    data = []
+    for i, out in enumerate(outputs):
+        entries = _sparse_values(out.outputs)
+        embedding = {
+            "indices": [e["index"] for e in entries],
+            "values": [e["value"] for e in entries],
+        }
+        data.append({"object": "embedding", "index": i, "embedding": embedding})
+    return list_response(state, request_id, data, outputs)
