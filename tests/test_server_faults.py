@@ -200,3 +200,35 @@ def test_hung_core_fails_health_and_a_group_signal_drains_and_exits_0():
         assert created and not any(os.path.exists(d) for d in created)
     finally:
         server.stop()
+
+
+def test_a_slow_client_is_disconnected_and_others_are_served():
+    """One header line per second never completes a request: the connection is closed at the
+    read deadline, while other clients are answered."""
+    import socket
+
+    from tests.server_fixture import ServerProcess
+
+    server = ServerProcess("--dtype", "float32", "--num-threads", "1", "--read-timeout", "2")
+    try:
+        slow = socket.create_connection(("127.0.0.1", server.port))
+        slow.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        closed = False
+        while time.monotonic() - started < 10:
+            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+            try:
+                slow.sendall(b"X-Slow: 1\r\n")
+                slow.settimeout(1.0)
+                if slow.recv(1024) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+                break
+        assert closed, "the slow client was never disconnected"
+        slow.close()
+    finally:
+        server.stop()

@@ -65,6 +65,18 @@ def _parser() -> argparse.ArgumentParser:
         help="requests queued beyond --max-num-seqs before answering 429",
     )  # fmt: skip
     serve.add_argument(
+        "--read-timeout", type=float, default=30.0,
+        help="seconds a client has to send a whole request (headers and body); slower: closed",
+    )  # fmt: skip
+    serve.add_argument(
+        "--keep-alive-timeout", type=float, default=5.0,
+        help="seconds an idle keep-alive connection is kept open",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-connections", type=int, default=1024,
+        help="open connections (and their requests) at once; more are answered 503",
+    )  # fmt: skip
+    serve.add_argument(
         "--engine-heartbeat-timeout", type=float, default=defaults.engine_heartbeat_timeout_s,
         help="seconds without a word from the engine core before /health reports it hung",
     )  # fmt: skip
@@ -117,6 +129,7 @@ def serve(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     from cenote.server.app import build_app
+    from cenote.server.http import with_read_timeout
     from cenote.server.state import ServerState
 
     options = ServerOptions(
@@ -130,6 +143,8 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         build_app(state), host=args.host, port=args.port, log_level=args.log_level,
         access_log=False, timeout_graceful_shutdown=None,
+        http=with_read_timeout(args.read_timeout), timeout_keep_alive=args.keep_alive_timeout,
+        limit_concurrency=args.max_connections,
     )  # fmt: skip
     server = _Server(config)
     exit_code = 0
