@@ -209,3 +209,18 @@ def test_mpnet_pooler_and_prefixed_checkpoints_load(tmp_path: Path) -> None:
     torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["MPNetModel"]
+
+
+def test_bf16_trunk_matches_fp32(trunk, tmp_path: Path) -> None:
+    """The bf16 trunk (the default on CPUs with native bf16) keeps the embeddings: cosine vs
+    fp32 >= 0.999, as tests/test_bf16.py asks of all-MiniLM-L6-v2."""
+    _, folder, _ = trunk
+    st_folder = save_sentence_transformer(folder, tmp_path / "st", "mean", True)
+    fp32 = _llm(st_folder).embed(TEXTS, truncate_prompt_tokens=-1, use_tqdm=False)
+    llm_bf16 = LLM(str(st_folder), dtype="bfloat16", num_threads=NUM_THREADS)
+    assert {p.dtype for p in llm_bf16.engine.model.parameters()} == {torch.bfloat16}
+    bf16 = llm_bf16.embed(TEXTS, truncate_prompt_tokens=-1, use_tqdm=False)
+    cos = F.cosine_similarity(
+        torch.stack([o.outputs.data for o in bf16]), torch.stack([o.outputs.data for o in fp32])
+    )
+    assert cos.min() >= 0.999, f"min cosine {cos.min():.5f}"

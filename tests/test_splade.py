@@ -294,3 +294,12 @@ def test_score_is_the_dot_product_as_sparse_encoder(bert_splade: Path, bert_llm:
     expected = encoder.similarity(q, d)[0]  # dot product (SparseEncoder's default)
     got = torch.tensor([out.outputs.score for out in bert_llm.score(query, documents)])
     torch.testing.assert_close(got, expected.float(), atol=ATOL, rtol=0)
+
+
+def test_bf16_trunk_matches_fp32(bert_splade: Path, bert_llm: LLM) -> None:
+    """bf16 trunk, fp32 MLM head: cosine vs fp32 >= 0.999 (as tests/test_bf16.py)."""
+    llm_bf16 = LLM(str(bert_splade), dtype="bfloat16", num_threads=NUM_THREADS)
+    bf16 = _dense(llm_bf16.embed_sparse(TEXTS, use_tqdm=False))
+    cos = F.cosine_similarity(bf16, _dense(bert_llm.embed_sparse(TEXTS, use_tqdm=False)))
+    assert bf16.dtype == torch.float32  # the head runs in fp32
+    assert cos.min() >= 0.999, f"min cosine {cos.min():.5f}"
