@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from corpus_factories import corpus, embed_job, read_output, write_jsonl
+from corpus_factories import LONG_TEXT, corpus, embed_job, read_output, write_jsonl
 from server_fixture import free_port
 
 from cenote.corpus.readers import open_source
@@ -174,6 +174,21 @@ def test_score_classify_generate_in_map_batches(ray_cluster, llm_fp32, tmp_path)
     assert [r["num_generated_tokens"] for r in generated] == [
         len(o.outputs[0].token_ids) for o in reference
     ]
+
+
+def test_a_passage_refused_on_a_worker_names_its_line(ray_cluster, tmp_path):
+    rows = corpus(40)
+    rows[33]["body"] = LONG_TEXT
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    done = _cenote(
+        "embed", str(path), "-o", str(tmp_path / "out"), "--text-field", "body",
+        "--rows-per-part", "16", "--no-progress", "--ray", ray_cluster, "--ray-workers", "2",
+        "--ray-cpus-per-worker", "1",
+    )  # fmt: skip
+    assert done.returncode == 1
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"cenote embed: error: {path} line 34: the passage has 4")
+    assert "--truncate" in last_line
 
 
 def test_an_address_that_does_not_answer_is_named(tmp_path):

@@ -7,6 +7,7 @@ part as soon as all its rows are back (in order), so a killed run resumes as the
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ class RayOptions:
     address: str | None = None  # None: start a local Ray instance
     num_workers: int | None = None  # engines (actors); None: one per node
     cpus_per_worker: int | None = None  # None: the smallest node's CPUs
-    batch_size: int = 256  # rows per map_batches call
+    batch_size: int | None = None  # rows per map_batches call; None: a part
     window_parts: int = 64  # parts per Ray Data dataset (bounds what the driver holds)
 
 
@@ -83,7 +84,7 @@ class RayEmbedParts:
             },
             compute=ray.data.ActorPoolStrategy(size=self.num_workers),
             num_cpus=self.cpus_per_worker,
-            batch_size=self.options.batch_size,
+            batch_size=self.options.batch_size or self.job.rows_per_part,
         )
         # 2) collect rows in order; a part is complete when all its rows are back
         collector = _PartCollector(window)
@@ -139,15 +140,20 @@ class _PartCollector:
 
 
 def _row_error(error: BaseException) -> RowError | None:
-    """The ``RowError`` a worker raised, through Ray's wrappers (``RayTaskError.cause``)."""
+    """The ``RowError`` a worker raised. Ray Data re-raises a worker's exception as a
+    ``UserCodeException`` that keeps only the text of its cause, so read it from there."""
     seen: set[int] = set()
-    stack: list[BaseException | None] = [error]
-    while stack:
-        current = stack.pop()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, RowError) and isinstance(getattr(current, "row", None), int):
-            return current
-        stack += [current.__cause__, current.__context__, getattr(current, "cause", None)]
+        found = _ROW_ERROR.search(str(current))
+        if found is not None:
+            return RowError(int(found["row"]), found["message"])
+        pending += [current.__cause__, current.__context__]
     return None
+
+
+_ROW_ERROR = re.compile(r"RowError: row (?P<row>\d+): (?P<message>[^\n]*)")

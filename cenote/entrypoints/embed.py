@@ -47,7 +47,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     ray.add_argument("--ray-workers", type=int, default=None, help="engines; default one a node")
     ray.add_argument("--ray-cpus-per-worker", type=int, default=None)
-    ray.add_argument("--ray-batch-size", type=int, default=256, help="rows per map_batches call")
+    ray.add_argument(
+        "--ray-batch-size", type=int, default=None, help="rows per map_batches call (a part)"
+    )
     parser.set_defaults(run=main)
 
 
