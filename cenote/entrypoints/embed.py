@@ -45,8 +45,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="run on the Ray cluster at ADDRESS (host:port, ray://host:port or auto); "
         "no ADDRESS: a local Ray instance",
     )  # fmt: skip
-    ray.add_argument("--ray-workers", type=int, default=None, help="engines; default one a node")
-    ray.add_argument("--ray-cpus-per-worker", type=int, default=None)
+    ray.add_argument(
+        "--ray-workers", type=int, default=None,
+        help="engines (actors); default: as many as the cluster's CPUs allow",
+    )  # fmt: skip
+    ray.add_argument(
+        "--ray-cpus-per-worker", type=int, default=1, help="CPUs (torch threads) per engine"
+    )
     ray.add_argument(
         "--ray-batch-size", type=int, default=None, help="rows per map_batches call (a part)"
     )
