@@ -203,6 +203,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     num_threads: int | None = None  # torch threads of the engine core; None = all cores
+    cpu_ids: tuple[int, ...] | None = None  # cores the engine-core process runs on; None = any
     seed: int = 0
 
 

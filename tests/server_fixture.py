@@ -74,12 +74,19 @@ class ServerProcess:
         raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log()}")
 
     def engine_pid(self) -> int:
-        """The engine-core child (not multiprocessing's resource tracker)."""
-        for child in _children(self.process.pid):
+        """The (first) engine-core child (not multiprocessing's resource tracker)."""
+        return self.engine_pids()[0]
+
+    def engine_pids(self) -> list[int]:
+        """Every engine-core child, in start order (data parallel: one per core)."""
+        pids = []
+        for child in sorted(_children(self.process.pid)):
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline:
-                return child
-        raise RuntimeError("no engine-core process found")
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                pids.append(child)
+        if not pids:
+            raise RuntimeError("no engine-core process found")
+        return pids
 
     def stop(self, timeout_s: float = 20.0) -> int:
         """SIGTERM, then SIGKILL to the whole process group; returns the exit code."""

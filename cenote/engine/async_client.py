@@ -244,6 +244,16 @@ class AsyncEngineClient:
         self._inputs.send(self._encoder.encode(message), copy=False)
 
     @property
+    def dead_cores(self) -> dict[int, str]:
+        """Rank -> why, for every engine core that is gone (here: the one, or none)."""
+        return {0: self.dead_reason} if self.dead_reason is not None else {}
+
+    @property
+    def num_unfinished(self) -> int:
+        """User requests in flight (the load a balancer compares)."""
+        return self.output_processor.num_unfinished
+
+    @property
     def silent_for(self) -> float:
         """Seconds since the core last sent anything (outputs or an idle heartbeat)."""
         return time.monotonic() - self._last_heard

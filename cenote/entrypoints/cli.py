@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
         help="open connections (and their requests) at once; more are answered 503",
     )  # fmt: skip
     serve.add_argument(
+        "--data-parallel-size", type=int, default=defaults.data_parallel_size,
+        help="engine-core processes, each on its own share of the cores; requests go to the "
+        "least loaded (generation: the one holding the prompt's prefix)",
+    )  # fmt: skip
+    serve.add_argument(
         "--engine-heartbeat-timeout", type=float, default=defaults.engine_heartbeat_timeout_s,
         help="seconds without a word from the engine core before /health reports it hung",
     )  # fmt: skip
@@ -138,6 +143,7 @@ def serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, auto_truncate=args.auto_truncate,
         max_request_tokens=args.max_request_tokens, max_response_values=args.max_response_values,
         engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        data_parallel_size=args.data_parallel_size,
     )  # fmt: skip
     state = ServerState(_engine_config(args), options)
     config = uvicorn.Config(

@@ -179,6 +179,10 @@ async def health(raw_request: Request) -> JSONResponse:
         raise Unavailable(
             f"the engine core has sent nothing for {silent:.1f} s (limit {limit:g} s): it is hung"
         )
+    dead = state.client.dead_cores  # data parallel: some cores may be gone, others serve
+    if dead:
+        reasons = {str(rank): reason for rank, reason in dead.items()}
+        return JSONResponse({"status": "degraded", "dead_engines": reasons})
     return JSONResponse({"status": "ok"})
 
 

@@ -25,7 +25,8 @@ class Usage(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok", "degraded"]  # degraded: data parallel, some engine cores are gone
+    dead_engines: dict[str, str] | None = None  # core rank -> why it is gone
 
 
 class VersionResponse(BaseModel):

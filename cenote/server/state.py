@@ -17,6 +17,7 @@ from fastapi import Request
 from cenote.config import EngineConfig
 from cenote.engine.async_client import AsyncEngineClient
 from cenote.engine.chat import render_chat, special_token_variables
+from cenote.engine.dp_client import DataParallelEngineClient
 from cenote.engine.input_processor import InputProcessor, PromptType
 from cenote.engine.messages import EngineCoreRequest
 from cenote.engine.tokenizer import load_chat_template, load_tokenizer
@@ -46,6 +47,7 @@ class ServerOptions:
     max_response_values: int = 1 << 22  # numbers in one pooling response (token-level outputs)
     blocking_threads: int = 2  # threads for tokenization, chat templates and big JSON bodies
     engine_heartbeat_timeout_s: float = 30.0  # /health fails when the core is silent this long
+    data_parallel_size: int = 1  # engine-core processes, each on its own share of the cores
 
 
 class ServerState:
@@ -58,9 +60,19 @@ class ServerState:
         self.tokenizer = load_tokenizer(self.model_config)
         self.chat_template = load_chat_template(self.model_config)
         self.template_tokens = special_token_variables(self.tokenizer, self.model_config.hf_config)
-        self.client = AsyncEngineClient(
-            engine_config, self.tokenizer, on_step=self.metrics.record_step, on_dead=self._on_dead
-        )
+        self.client: AsyncEngineClient | DataParallelEngineClient
+        if options.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {options.data_parallel_size}")
+        if options.data_parallel_size > 1:
+            self.client = DataParallelEngineClient(
+                engine_config, self.tokenizer, options.data_parallel_size,
+                on_step=self.metrics.record_step, on_dead=self._on_dead,
+            )  # fmt: skip
+        else:
+            self.client = AsyncEngineClient(
+                engine_config, self.tokenizer, on_step=self.metrics.record_step,
+                on_dead=self._on_dead,
+            )  # fmt: skip
         self.input_processor: InputProcessor | None = None  # set once the core is ready
         self.on_engine_dead: Callable[[str], None] | None = None
         # CPU-bound work of a request runs here, never on the event loop
@@ -132,7 +144,7 @@ class ServerState:
 
     def check_capacity(self, num_new: int) -> None:
         """429 when the requests beyond ``max_num_seqs`` would pass ``max_waiting_requests``."""
-        in_flight = self.client.output_processor.num_unfinished
+        in_flight = self.client.num_unfinished
         max_running = self.engine_config.scheduler.max_num_seqs
         waiting = in_flight + num_new - max_running
         if waiting > self.options.max_waiting_requests:

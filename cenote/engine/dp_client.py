@@ -1,0 +1,184 @@
+"""Data-parallel serving: one front, N engine-core processes, each on its own share of the cores.
+
+``DataParallelEngineClient`` has the surface of ``AsyncEngineClient`` (the server cannot tell them
+apart) and owns N of them. Each request goes whole to one core: the least loaded (user requests in
+flight), except that a generation request whose first KV block was seen before prefers the core
+that served it (its prefix cache holds those blocks) unless that core is clearly busier. A core
+that dies fails only its own in-flight requests; the others keep serving and the client reports
+itself degraded. Only when every core is gone is the client dead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+
+from tokenizers import Tokenizer
+
+from cenote.config import EngineConfig
+from cenote.engine.async_client import AsyncEngineClient, StepCallback
+from cenote.engine.input_processor import ModelCapabilities
+from cenote.engine.messages import EngineCoreRequest, SchedulerStats
+from cenote.errors import EngineDeadError
+from cenote.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_PREFIX_ROUTES = 4096  # first-block keys remembered for prefix-affine routing (LRU)
+
+
+def split_cores(config: EngineConfig, size: int) -> list[EngineConfig]:
+    """The config of each of ``size`` engine cores: disjoint CPU sets, threads = their size."""
+    available = sorted(os.sched_getaffinity(0))
+    total = config.num_threads or len(available)
+    if size > len(available):
+        raise ValueError(
+            f"data_parallel_size {size} is more than the {len(available)} CPU cores available"
+        )
+    share = max(total // size, 1)
+    configs = []
+    for rank in range(size):
+        cpu_ids = tuple(available[rank * share : (rank + 1) * share]) or (available[rank],)
+        configs.append(dataclasses.replace(config, num_threads=len(cpu_ids), cpu_ids=cpu_ids))
+    return configs
+
+
+class DataParallelEngineClient:
+    """N ``AsyncEngineClient`` cores behind one interface."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        size: int,
+        on_step: StepCallback | None = None,
+        on_dead: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.on_dead = on_dead
+        self._on_step = on_step
+        self._stats: list[SchedulerStats | None] = [None] * size
+        self.cores = [
+            AsyncEngineClient(
+                core_config,
+                tokenizer,
+                on_step=self._step_callback(rank),
+                on_dead=self._dead_callback(rank),
+            )
+            for rank, core_config in enumerate(split_cores(config, size))
+        ]
+        self.capabilities: ModelCapabilities | None = None
+        self.dead_reason: str | None = None  # set once every core is gone
+        self._prefix_routes: OrderedDict[tuple[int, ...], int] = OrderedDict()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> ModelCapabilities:
+        """Start every core (one after another: each loads the model with all its threads)."""
+        for core in self.cores:
+            self.capabilities = await core.start()
+        assert self.capabilities is not None
+        return self.capabilities
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        for core in self.cores:
+            await core.shutdown(timeout)
+
+    def mark_dead(self, reason: str) -> None:
+        for core in self.cores:
+            core.mark_dead(reason)
+
+    @property
+    def dead_cores(self) -> dict[int, str]:
+        """Rank -> why, for every core that is gone."""
+        return {i: c.dead_reason for i, c in enumerate(self.cores) if c.dead_reason is not None}
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(core.num_unfinished for core in self.cores)
+
+    @property
+    def silent_for(self) -> float:
+        """The longest silence of a live core (a hung core makes the whole server unhealthy)."""
+        return max((c.silent_for for c in self._alive()), default=0.0)
+
+    def _dead_callback(self, rank: int) -> Callable[[str], None]:
+        def on_core_dead(reason: str) -> None:
+            logger.error("engine core %d of %d is gone: %s", rank, len(self.cores), reason)
+            if not self._alive():
+                self.dead_reason = f"every engine core is gone (core {rank}: {reason})"
+                if self.on_dead is not None:
+                    self.on_dead(self.dead_reason)
+
+        return on_core_dead
+
+    def _step_callback(self, rank: int) -> StepCallback:
+        """Gauges summed over the cores (each core reports only its own queues)."""
+
+        def on_step(stats: SchedulerStats | None, queue_times: list[float]) -> None:
+            if stats is not None:
+                self._stats[rank] = stats
+                known = [s for s in self._stats if s is not None]
+                stats = SchedulerStats(
+                    num_running=sum(s.num_running for s in known),
+                    num_waiting=sum(s.num_waiting for s in known),
+                    num_scheduled_tokens=stats.num_scheduled_tokens,
+                    kv_cache_usage=sum(s.kv_cache_usage for s in known) / len(known),
+                )
+            if self._on_step is not None:
+                self._on_step(stats, queue_times)
+
+        return on_step
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def pool(
+        self,
+        requests: list[EngineCoreRequest],
+        prompts: list[str | None],
+        output_class: type[PoolingOutput],
+    ) -> list[PoolingRequestOutput]:
+        return await self._pick(None).pool(requests, prompts, output_class)
+
+    async def generate(
+        self, request_id: str, prompt: str | None, children: list[EngineCoreRequest]
+    ) -> AsyncIterator[RequestOutput]:
+        core = self._pick(self._prefix_key(children[0].prompt_token_ids))
+        async for output in core.generate(request_id, prompt, children):
+            yield output
+
+    def _alive(self) -> list[AsyncEngineClient]:
+        return [core for core in self.cores if core.dead_reason is None]
+
+    def _pick(self, prefix_key: tuple[int, ...] | None) -> AsyncEngineClient:
+        """The least loaded live core, or the one that holds the prompt's first block when it is
+        at most ``max_num_seqs // 4`` requests busier."""
+        alive = self._alive()
+        if not alive:
+            raise EngineDeadError(self.dead_reason or "no engine core is running")
+        least = min(alive, key=lambda core: core.num_unfinished)
+        if prefix_key is None:
+            return least
+        rank = self._prefix_routes.get(prefix_key)
+        slack = max(self.config.scheduler.max_num_seqs // 4, 1)
+        if rank is not None:
+            holder = self.cores[rank]
+            if holder.dead_reason is None and (
+                holder.num_unfinished <= least.num_unfinished + slack
+            ):
+                self._prefix_routes.move_to_end(prefix_key)
+                return holder
+        self._prefix_routes[prefix_key] = self.cores.index(least)
+        if len(self._prefix_routes) > _PREFIX_ROUTES:
+            self._prefix_routes.popitem(last=False)
+        return least
+
+    def _prefix_key(self, prompt_token_ids: list[int]) -> tuple[int, ...] | None:
+        """The prompt's first full KV block (what the prefix cache can share), if it has one."""
+        block_size = self.config.cache.block_size
+        if len(prompt_token_ids) < block_size:
+            return None
+        return tuple(prompt_token_ids[:block_size])
