@@ -73,6 +73,9 @@ def test_unreadable_inputs(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(CorpusError, match="bad.parquet is not a readable Parquet file"):
         list(read_chunks(open_source(tmp_path / "bad.parquet"), 10))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(CorpusError, match="empty.txt holds no passages"):
+        embed_job(None, open_source(tmp_path / "empty.txt"), tmp_path / "e.npy")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "ok.parquet")
     with pytest.raises(CorpusError, match="no column 'text' \\(its columns: 'body'\\)"):
         list(read_chunks(open_source(tmp_path / "ok.parquet"), 10))

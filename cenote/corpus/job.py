@@ -105,6 +105,8 @@ def run_embed_job(job: EmbedJob, embed_parts: EmbedParts | None = None) -> JobSu
     finally:
         progress.close()
     # 3) mark the job complete; export .npy + ids when asked
+    if scan.num_rows == 0:
+        raise CorpusError(f"{job.source.path} holds no passages")
     store.finish(scan.num_rows)
     if job.exports_npy:
         export_npy(store, job.output)

@@ -137,8 +137,9 @@ def export_npy(store: PartStore, npy_path: Path) -> Path:
     import pyarrow.parquet as pq
 
     paths = store.part_paths()
+    assert paths, "a finished job has at least one part"
     num_rows = sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
-    dim = pq.read_schema(paths[0]).field("embedding").type.list_size if paths else 0
+    dim = pq.read_schema(paths[0]).field("embedding").type.list_size
     ids_path = npy_path.with_name(npy_path.stem + ".ids.parquet")
     tmp_npy = npy_path.with_name(f".{npy_path.name}.tmp")
     tmp_ids = ids_path.with_name(f".{ids_path.name}.tmp")
@@ -158,8 +159,6 @@ def export_npy(store: PartStore, npy_path: Path) -> Path:
         if writer is not None:
             writer.close()
     del array
-    if writer is None:  # no rows
-        pq.write_table(_part_table(PartResult([], np.zeros((0, 0), np.float32), _i32())), tmp_ids)
     os.replace(tmp_npy, npy_path)
     os.replace(tmp_ids, ids_path)
     return ids_path
@@ -192,10 +191,6 @@ def _part_table(result: PartResult):
             "num_tokens": pa.array(result.num_tokens, type=pa.int32()),
         }
     )
-
-
-def _i32() -> np.ndarray:
-    return np.zeros(0, np.int32)
 
 
 def _fsync(path: Path) -> None:
