@@ -87,7 +87,8 @@ def time_cli(corpus: Path, output: Path, dtype: str, *extra: str) -> tuple[float
 
 def time_driver_alone(corpus: Path, output: Path, dim: int = 384) -> float:
     """The job without a model: read the JSONL, cut parts, write Parquet parts and the manifest
-    (random vectors, which do not compress). Its rate is what one driver can feed, the ceiling of ``--ray`` scale-out."""
+    (random vectors, which do not compress). Its rate is what one driver can feed: the ceiling
+    of ``--ray`` scale-out."""
     import numpy as np
 
     from cenote.corpus.job import EmbedJob, chunk_ids, run_embed_job

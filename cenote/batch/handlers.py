@@ -153,12 +153,14 @@ class BatchHandlers:
         else:
             tokenized = self.processor.tokenize(_prompts_from(body.prompt), is_pooling=False)
             max_tokens = body.max_tokens
-        longest = max(len(t.prompt_token_ids) for t in tokenized)
+        if not max_tokens:  # the context left after the longest prompt, as the routes do
+            longest = max(len(t.prompt_token_ids) for t in tokenized)
+            max_tokens = max(self.model_config.max_model_len - longest, 1)
         params = SamplingParams(
             n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            seed=body.seed, max_tokens=max_tokens or max(self.model_config.max_model_len - longest, 1),
+            seed=body.seed, max_tokens=max_tokens,
             min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
@@ -211,7 +213,10 @@ class BatchHandlers:
             use_tqdm=False,
         )  # fmt: skip
         if isinstance(body, ScoreRequest):
-            data = [{"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scores)]  # fmt: skip
+            data = [
+                {"index": i, "object": "score", "score": s.outputs.score}
+                for i, s in enumerate(scores)
+            ]
             return self._list_body("score", data, num_tokens=None)
         return self._rerank_body(body, text_2, scores)
 
@@ -256,11 +261,16 @@ class BatchHandlers:
         }
 
     def _generation_body(self, task: GenerationTask, outputs: list[RequestOutput]) -> dict:
-        body, chat, n = task.line.body, isinstance(task.line.body, ChatCompletionRequest), task.params.n  # fmt: skip
+        body, n = task.line.body, task.params.n
+        chat = isinstance(body, ChatCompletionRequest)
         choices = []
         for index, output in enumerate(outputs):
             for c in output.outputs:
-                choice: dict[str, Any] = {"index": index * n + c.index, "logprobs": None, "finish_reason": c.finish_reason}  # fmt: skip
+                choice: dict[str, Any] = {
+                    "index": index * n + c.index,
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
                 if chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
