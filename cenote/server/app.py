@@ -272,7 +272,30 @@ async def detokenize(body: DetokenizeRequest, raw_request: Request) -> JSONRespo
     return JSONResponse({"prompt": text})
 
 
-@router.post("/invocations", responses=schema(None))
+_INVOCATION_BODIES = ("ChatCompletionRequest", "CompletionRequest", "RerankRequest", "ScoreRequest",
+                      "EmbeddingRequest", "ClassificationRequest", "PoolingRequest")  # fmt: skip
+_INVOCATION_ANSWERS = ("ChatCompletionResponse", "CompletionResponse", "RerankResponse",
+                       "ScoreResponse", "EmbeddingResponse", "ClassificationResponse",
+                       "PoolingResponse")  # fmt: skip
+
+
+def _any_of(names: tuple[str, ...]) -> dict:
+    return {"anyOf": [{"$ref": f"#/components/schemas/{name}"} for name in names]}
+
+
+def _invocation_responses() -> dict:
+    """The answer of whichever route the body is for (JSON, SSE or raw bytes), or an error."""
+    responses = schema(None, stream=True, binary=True)
+    responses[200]["content"]["application/json"] = {"schema": _any_of(_INVOCATION_ANSWERS)}
+    return responses
+
+
+@router.post(
+    "/invocations",
+    responses=_invocation_responses(),
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": _any_of(_INVOCATION_BODIES)}}}},
+)  # fmt: skip
 async def invocations(raw_request: Request) -> Response:
     """SageMaker's one route: the body's shape picks the API. ``messages``: chat when the model
     generates, else embeddings; ``prompt``: completions; ``query`` + ``documents``: rerank;
