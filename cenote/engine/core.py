@@ -189,12 +189,12 @@ def refused_output(request_id: str, error: Exception) -> EngineCoreOutput:
 
 
 def _label_names(hf_config: dict, num_labels: int | None) -> tuple[str, ...] | None:
-    """id2label names in id order, when the config has one per label."""
-    labels = hf_config.get("id2label")
-    if not labels or num_labels is None or len(labels) != num_labels:
-        return None
-    if hf_config.get("classifier_from_token"):
+    """id2label names in id order; transformers' ``LABEL_<i>`` when the config has none."""
+    if num_labels is None or hf_config.get("classifier_from_token"):
         return None  # converted LM: the causal config's labels mean nothing
+    labels = hf_config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    if len(labels) != num_labels:
+        return None
     return tuple(str(labels.get(str(i), labels.get(i, i))) for i in range(num_labels))
 
 

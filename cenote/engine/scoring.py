@@ -160,7 +160,7 @@ def plan_scores(
     fit_documents: bool = False,
 ) -> ScorePlan:
     """Validate and tokenize the requests that score ``pairs`` on the processor's model.
-    ``max_tokens_per_doc`` cuts documents only; ``truncate_prompt_tokens`` cuts whole prompts
+    ``max_tokens_per_doc`` cuts documents only (0: no cut); ``truncate_prompt_tokens`` cuts whole prompts
     (for a cross-encoder pair, the document side). ``fit_documents`` (rerank, as Cohere and
     Jina): documents too long for the model are cut to fit, queries are kept whole. Errors name
     the query or document at fault by its index."""
@@ -171,11 +171,14 @@ def plan_scores(
             f"it supports {', '.join(caps.supported_tasks)}"
         )
     if max_tokens_per_doc is not None and (
-        not isinstance(max_tokens_per_doc, int) or max_tokens_per_doc < 1
+        not isinstance(max_tokens_per_doc, int) or max_tokens_per_doc < 0
     ):
         raise InvalidInputError(
-            f"max_tokens_per_doc must be a positive integer, got {max_tokens_per_doc!r}"
+            "max_tokens_per_doc must be a non-negative integer (0: no cut), "
+            f"got {max_tokens_per_doc!r}"
         )
+    if max_tokens_per_doc == 0:  # vLLM: 0 cuts nothing
+        max_tokens_per_doc = None
     if caps.score_type == "cross_encoder":
         return _plan_cross_encoder(
             processor, pairs, truncate_prompt_tokens, max_tokens_per_doc, instruction,

@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
         help='JSON, e.g. {"pooling_type": "MEAN", "normalize": false}',
     )  # fmt: skip
     serve.add_argument(
+        "--chat-template", default=None,
+        help="a Jinja chat template, or the file holding one (default: the model's own)",
+    )  # fmt: skip
+    serve.add_argument(
         "--max-logprobs", type=int, default=20,
         help="most top logprobs (logprobs / top_logprobs / prompt_logprobs) a request may ask for",
     )  # fmt: skip
@@ -143,7 +147,7 @@ def serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, auto_truncate=args.auto_truncate,
         max_request_tokens=args.max_request_tokens, max_response_values=args.max_response_values,
         engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
-        data_parallel_size=args.data_parallel_size,
+        data_parallel_size=args.data_parallel_size, chat_template=_chat_template(args.chat_template),
     )  # fmt: skip
     state = ServerState(_engine_config(args), options)
     config = uvicorn.Config(
@@ -167,6 +171,15 @@ def serve(args: argparse.Namespace) -> int:
     if state.client.dead_reason is not None:
         exit_code = 1
     return exit_code
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text when ``value`` names a file, else the template itself
+    (as vLLM reads it)."""
+    if value is None or not os.path.isfile(value):
+        return value
+    with open(value, encoding="utf-8") as file:
+        return file.read()
 
 
 def _engine_config(args: argparse.Namespace):

@@ -254,10 +254,13 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
         add_special_tokens = True
     state.check_texts([text], "prompt")
     ids = state.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-    result = {"tokens": ids, "count": len(ids), "max_model_len": state.model_config.max_model_len}
-    if body.return_token_strs:
-        result["token_strs"] = [state.tokenizer.id_to_token(t) or "" for t in ids]
-    return result
+    token_strs = (
+        [state.tokenizer.id_to_token(t) or "" for t in ids] if body.return_token_strs else None
+    )
+    return {
+        "tokens": ids, "count": len(ids), "max_model_len": state.model_config.max_model_len,
+        "token_strs": token_strs,  # null unless asked (vLLM)
+    }  # fmt: skip
 
 
 @router.post("/detokenize", responses=schema(DetokenizeResponse, 400, 401, 404, 413, 503))

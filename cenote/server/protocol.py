@@ -81,10 +81,12 @@ ScoreTexts = str | list[str]
 
 class ScoreRequest(_ScoringBody):
     """POST /score, /v1/score (vLLM): 1 -> 1, 1 -> N or N -> N pairs, given as
-    ``queries``/``documents``, ``data_1``/``data_2`` or ``text_1``/``text_2``."""
+    ``queries``/``documents``, ``queries``/``items``, ``data_1``/``data_2`` or
+    ``text_1``/``text_2``."""
 
     queries: ScoreTexts | None = None
     documents: ScoreTexts | None = None
+    items: ScoreTexts | None = None  # vLLM's other name for documents
     data_1: ScoreTexts | None = None
     data_2: ScoreTexts | None = None
     text_1: ScoreTexts | None = None

@@ -26,7 +26,9 @@ from cenote.server.state import ServerState, get_state, new_request_id, with_can
 router = APIRouter(route_class=JSONRoute)
 
 COHERE_MAX_TOKENS_PER_DOC = 4096  # Cohere's default cut of each document
-_SCORE_FIELDS = (("queries", "documents"), ("data_1", "data_2"), ("text_1", "text_2"))
+_SCORE_FIELDS = (
+    ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2")
+)  # fmt: skip
 
 
 @router.post("/classify", responses=schema(ClassificationResponse))
@@ -54,11 +56,12 @@ async def create_classify(body: ClassificationRequest, raw_request: Request) -> 
 @with_cancellation
 async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
-    given = [names for names in _SCORE_FIELDS if any(getattr(body, n) is not None for n in names)]
-    if len(given) != 1 or any(getattr(body, n) is None for n in given[0]):
+    sent = {name for names in _SCORE_FIELDS for name in names if getattr(body, name) is not None}
+    given = [names for names in _SCORE_FIELDS if sent.issuperset(names)]
+    if len(given) != 1 or sent != set(given[0]):
         raise BadRequest(
-            "pass one pair of fields: queries and documents (or data_1 and data_2, or text_1 "
-            "and text_2)",
+            "pass one pair of fields: queries and documents (or queries and items, data_1 and "
+            "data_2, text_1 and text_2)",
             param="queries",
         )
     text_1, text_2 = (getattr(body, n) for n in given[0])

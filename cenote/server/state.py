@@ -48,6 +48,7 @@ class ServerOptions:
     blocking_threads: int = 2  # threads for tokenization, chat templates and big JSON bodies
     engine_heartbeat_timeout_s: float = 30.0  # /health fails when the core is silent this long
     data_parallel_size: int = 1  # engine-core processes, each on its own share of the cores
+    chat_template: str | None = None  # --chat-template; None: the model's own
 
 
 class ServerState:
@@ -58,7 +59,7 @@ class ServerState:
         self.model_name = self.model_config.served_model_name
         self.metrics = ServerMetrics(self.model_name)
         self.tokenizer = load_tokenizer(self.model_config)
-        self.chat_template = load_chat_template(self.model_config)
+        self.chat_template = options.chat_template or load_chat_template(self.model_config)
         self.template_tokens = special_token_variables(self.tokenizer, self.model_config.hf_config)
         self.client: AsyncEngineClient | DataParallelEngineClient
         if options.data_parallel_size < 1:

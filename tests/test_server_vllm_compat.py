@@ -1,0 +1,123 @@
+"""What running vLLM's own server tests against ``cenote serve`` found (issue 8; docs/
+vllm-compat.md): a ``--chat-template`` for models without one, ``/score`` with ``queries`` and
+``items``, ``max_tokens_per_doc: 0`` as "no cut", ``/tokenize`` answering ``token_strs: null``,
+and class labels named as transformers names them when the config has no ``id2label``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import transformers
+
+from cenote import LLM
+from tests.pool_factories import make_encoder_classifier
+from tests.server_fixture import ServerProcess
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+MESSAGES = [
+    {"role": "user", "content": "The cat sat on the mat."},
+    {"role": "assistant", "content": "A feline was resting on a rug."},
+]
+RENDERED = "user: The cat sat on the mat.\nassistant: A feline was resting on a rug.\n"
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory: pytest.TempPathFactory):
+    """The default model, which has no chat template, given one through a file."""
+    template_file = tmp_path_factory.mktemp("template") / "template.jinja"
+    template_file.write_text(TEMPLATE)
+    server = ServerProcess(
+        "--dtype", "float32", "--num-threads", "1", "--chat-template", str(template_file)
+    )  # fmt: skip
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            yield client
+    finally:
+        server.stop()
+
+
+def _post(client: httpx.Client, path: str, body: dict) -> dict:
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_chat_template_option_renders_messages(minilm) -> None:
+    tokenized = _post(minilm, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
+    expected = _post(minilm, "/tokenize", {"prompt": RENDERED, "add_special_tokens": False})
+    assert tokenized["tokens"] == expected["tokens"]
+    chat = _post(minilm, "/v1/embeddings", {"messages": MESSAGES})
+    text = _post(minilm, "/v1/embeddings", {"input": RENDERED, "add_special_tokens": False})
+    assert chat["usage"] == text["usage"]
+    torch.testing.assert_close(
+        torch.tensor(chat["data"][0]["embedding"]), torch.tensor(text["data"][0]["embedding"])
+    )
+
+
+def test_chat_template_option_reads_text_too(tmp_path: Path) -> None:
+    from cenote.entrypoints.cli import _chat_template
+
+    assert _chat_template(TEMPLATE) == TEMPLATE
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    assert _chat_template(str(tmp_path / "t.jinja")) == TEMPLATE
+    assert _chat_template(None) is None
+
+
+def test_score_queries_with_items_as_with_documents(minilm) -> None:
+    queries, documents = ["a cat", "a dog"], ["the cat sat", "the dog ran"]
+    with_items = _post(minilm, "/score", {"queries": queries, "items": documents})
+    with_documents = _post(minilm, "/score", {"queries": queries, "documents": documents})
+    assert [d["score"] for d in with_items["data"]] == [d["score"] for d in with_documents["data"]]
+    for body in (
+        {"queries": queries, "items": documents, "documents": documents},
+        {"text_1": queries, "items": documents},
+        {"items": documents},
+    ):
+        response = minilm.post("/score", json=body)
+        assert response.status_code == 400, body
+        assert "one pair of fields" in response.json()["error"]["message"]
+
+
+def test_max_tokens_per_doc_zero_cuts_nothing(minilm) -> None:
+    body = {"query": "cat", "documents": ["the cat sat on the mat " * 20, "dog"]}
+    uncut = _post(minilm, "/rerank", body)
+    zero = _post(minilm, "/rerank", {**body, "max_tokens_per_doc": 0})
+    assert zero["results"] == uncut["results"]
+    assert zero["usage"]["prompt_tokens"] == uncut["usage"]["prompt_tokens"]
+    cut = _post(minilm, "/rerank", {**body, "max_tokens_per_doc": 3})
+    assert cut["usage"]["prompt_tokens"] < uncut["usage"]["prompt_tokens"]
+    response = minilm.post("/rerank", json={**body, "max_tokens_per_doc": -5})
+    assert response.status_code == 400
+    assert "non-negative" in response.json()["error"]["message"]
+
+
+def test_tokenize_token_strs_null_unless_asked(minilm) -> None:
+    plain = _post(minilm, "/tokenize", {"prompt": "hello world"})
+    assert "token_strs" in plain and plain["token_strs"] is None
+    asked = _post(minilm, "/tokenize", {"prompt": "hello world", "return_token_strs": True})
+    assert asked["token_strs"] == ["[CLS]", "hello", "world", "[SEP]"]
+
+
+def test_classifier_without_id2label_names_labels_as_transformers(tmp_path: Path) -> None:
+    reference = make_encoder_classifier(tmp_path, "bert", "ForSequenceClassification", num_labels=3)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved.pop("id2label", None)
+    saved.pop("label2id", None)
+    saved["num_labels"] = 3  # the count alone, as configs without label names give it
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    names = transformers.AutoConfig.from_pretrained(tmp_path).id2label  # transformers' defaults
+    llm = LLM(str(tmp_path), dtype="float32", num_threads=1)
+    prompts = [[2, 7, 9, 3], [2, 11, 3], [2, 5, 6, 8, 3]]  # [CLS] words [SEP]
+    outputs = llm.classify([{"prompt_token_ids": ids} for ids in prompts], use_tqdm=False)
+    for ids, out in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            logits = reference(input_ids=torch.tensor([ids])).logits[0]  # [num_labels]
+        assert out.outputs.label == names[int(logits.argmax())]
+        assert out.outputs.label.startswith("LABEL_")
