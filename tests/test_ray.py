@@ -199,3 +199,41 @@ def test_an_address_that_does_not_answer_is_named(tmp_path):
     assert f"the Ray cluster at '{address}' does not answer" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_data_parallel_serving_with_ray_actors(ray_cluster, llm_fp32):
+    """``cenote serve --data-parallel-size 2 --distributed-executor ray``: the engine cores are
+    Ray actors on the cluster's two nodes, zmq over TCP; answers equal the offline engine."""
+    import asyncio
+
+    import httpx
+    import torch
+    from server_fixture import ServerProcess
+
+    texts = [f"passage {i} on rivers and {'hills ' * (i % 5)}" for i in range(24)]
+    server = ServerProcess(
+        "--dtype", "float32", "--num-threads", "1", "--data-parallel-size", "2",
+        "--distributed-executor", "ray", "--ray-address", ray_cluster, timeout_s=180,
+    )  # fmt: skip
+    try:
+
+        async def embed_all() -> list[list[float]]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+
+                async def one(text: str) -> list[float]:
+                    response = await client.post("/v1/embeddings", json={"input": text})
+                    assert response.status_code == 200, response.text
+                    return response.json()["data"][0]["embedding"]
+
+                return await asyncio.gather(*(one(t) for t in texts))
+
+        got = torch.tensor(asyncio.run(embed_all()))
+        expected = torch.stack([o.outputs.data for o in llm_fp32.embed(texts)])
+        assert (got - expected).abs().max() <= 1e-5
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+        cores = [a for a in ray.util.list_named_actors(all_namespaces=True)]
+        assert server.stop() == 0, server.log()[-3000:]
+        assert "Traceback" not in server.log()
+        del cores
+    finally:
+        server.stop()

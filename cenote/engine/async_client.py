@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import os
-import shutil
-import tempfile
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import zmq
 import zmq.asyncio
 from tokenizers import Tokenizer
 
 from cenote.config import EngineConfig
-from cenote.engine.core_proc import run_engine_core
+from cenote.engine.core_launcher import CoreLauncher, Executor, make_launcher
 from cenote.engine.input_processor import ModelCapabilities
 from cenote.engine.ipc import (
     AbortRequests,
@@ -60,6 +55,8 @@ class AsyncEngineClient:
         tokenizer: Tokenizer,
         on_step: StepCallback | None = None,
         on_dead: Callable[[str], None] | None = None,
+        executor: Executor = "process",
+        ray_address: str | None = None,  # executor "ray": the cluster (None: RAY_ADDRESS or local)
     ) -> None:
         self.config = config
         self.output_processor = OutputProcessor(tokenizer)
@@ -70,81 +67,61 @@ class AsyncEngineClient:
         self.queues: dict[str, asyncio.Queue] = {}  # user request id -> its outputs
         self._encoder = make_encoder()
         self._decoder = output_decoder()
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self.executor = executor
+        self.ray_address = ray_address
+        self._launcher: CoreLauncher | None = None
         self._last_heard = time.monotonic()  # the core's last message (heartbeat or outputs)
         self._closing = False
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> ModelCapabilities:
-        """Spawn the core and wait until its model is loaded."""
-        self._dir = Path(tempfile.mkdtemp(prefix="cenote-ipc-"))
+        """Start the core (a process, or a Ray actor) and wait until its model is loaded."""
+        launcher = make_launcher(self.executor, self.ray_address)
+        self._launcher = launcher
+        (bind_in, connect_in), (bind_out, connect_out) = launcher.addresses()
         self._context = zmq.asyncio.Context(io_threads=1)
         self._inputs = self._context.socket(zmq.PUSH)
-        self._inputs.bind(f"ipc://{self._dir / 'in'}")
+        self._inputs.bind(bind_in)
         self._outputs = self._context.socket(zmq.PULL)
-        self._outputs.bind(f"ipc://{self._dir / 'out'}")
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(self.config, f"ipc://{self._dir / 'in'}", f"ipc://{self._dir / 'out'}"),
-            name="cenote-engine-core",
-            daemon=True,
-        )
-        # The core shares its cores with this process (HTTP, JSON, tokenization): its OpenMP
-        # threads spin only briefly before sleeping when they wait, so a thread of the front does
-        # not leave a core thread spinning. Measured (benchmarks/serve_embed.py, 384 requests):
-        # concurrency 64 served 334-389 -> 422 sentences/s; fully passive waiting cost 20-30% at
-        # concurrency 1 and 16.
-        os.environ.setdefault("GOMP_SPINCOUNT", "2000")
-        process.start()
-        self._process = process
+        self._outputs.bind(bind_out)
+        launcher.start(self.config, connect_in, connect_out)
         while not await self._outputs.poll(100):
-            if not process.is_alive():
-                raise EngineDeadError(f"the engine core exited with code {process.exitcode}")
+            reason = launcher.exit_reason()
+            if reason is not None:
+                raise EngineDeadError(reason)
         message = self._decoder.decode(await self._outputs.recv())
         if isinstance(message, CoreFailed):
             raise EngineDeadError(f"the engine core failed to start: {message.message}")
         assert isinstance(message, Ready)
         self.capabilities = message.capabilities
         loop = asyncio.get_running_loop()
-        loop.add_reader(process.sentinel, self._on_process_exit)
+        launcher.on_exit(loop, self._on_core_exit)
         self._output_task = loop.create_task(self._output_loop())
         return message.capabilities
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def is_alive(self) -> bool:
-        return self.dead_reason is None and self._process is not None
+        """The core's process id (None for a Ray actor or before start)."""
+        return self._launcher.pid if self._launcher is not None else None
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to exit, wait for it, clean up sockets."""
         self._closing = True
-        process = self._process
-        if process is not None:
-            asyncio.get_running_loop().remove_reader(process.sentinel)
-            if process.is_alive():
+        if self._launcher is not None:
+            if self.dead_reason is None and self._launcher.exit_reason() is None:
                 self._send(Shutdown())
-                await asyncio.to_thread(process.join, timeout)
-                if process.is_alive():
-                    process.kill()
+            await self._launcher.stop(timeout)
         if getattr(self, "_output_task", None) is not None:
             self._output_task.cancel()
-        self._inputs.close(linger=0)
-        self._outputs.close(linger=0)
-        self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if getattr(self, "_context", None) is not None:
+            self._inputs.close(linger=0)
+            self._outputs.close(linger=0)
+            self._context.term()
 
-    def _on_process_exit(self) -> None:
-        process = self._process
-        asyncio.get_running_loop().remove_reader(process.sentinel)
-        process.join(0)
+    def _on_core_exit(self, reason: str) -> None:
         if not self._closing:
-            self.mark_dead(
-                f"the engine core process exited unexpectedly (exit code {process.exitcode})"
-            )
+            self.mark_dead(reason)
 
     def mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 import traceback
 
@@ -38,8 +39,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     """Process entry point (spawned by ``AsyncEngineClient``)."""
     # Ctrl-C or a SIGTERM to the whole process group is the front's to handle: it drains its
     # requests through this core, then sends Shutdown (the core also exits if the front dies).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # a Ray actor may run elsewhere
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
     if config.cpu_ids is not None:  # data parallel: each core process on its own share
         os.sched_setaffinity(0, config.cpu_ids)

@@ -1,4 +1,5 @@
-"""Data-parallel serving: one front, N engine-core processes, each on its own share of the cores.
+"""Data-parallel serving: one front, N engine cores, each on its own share of the cores (local
+processes on disjoint CPU sets, or Ray actors on a cluster's nodes with zmq over TCP).
 
 ``DataParallelEngineClient`` has the surface of ``AsyncEngineClient`` (the server cannot tell them
 apart) and owns N of them. Each request goes whole to one core: the least loaded (user requests in
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer
 
 from cenote.config import EngineConfig
 from cenote.engine.async_client import AsyncEngineClient, StepCallback
+from cenote.engine.core_launcher import Executor
 from cenote.engine.input_processor import ModelCapabilities
 from cenote.engine.messages import EngineCoreRequest, SchedulerStats
 from cenote.errors import EngineDeadError
@@ -30,8 +32,15 @@ logger = logging.getLogger(__name__)
 _PREFIX_ROUTES = 4096  # first-block keys remembered for prefix-affine routing (LRU)
 
 
-def split_cores(config: EngineConfig, size: int) -> list[EngineConfig]:
-    """The config of each of ``size`` engine cores: disjoint CPU sets, threads = their size."""
+def split_cores(
+    config: EngineConfig, size: int, executor: Executor = "process"
+) -> list[EngineConfig]:
+    """The config of each of ``size`` engine cores: local processes get disjoint CPU sets of this
+    machine (threads = their size); Ray actors get ``num_threads`` CPUs each (default: this
+    machine's share) wherever Ray places them."""
+    if executor == "ray":
+        threads = config.num_threads or max((os.cpu_count() or 1) // size, 1)
+        return [dataclasses.replace(config, num_threads=threads, cpu_ids=None)] * size
     available = sorted(os.sched_getaffinity(0))
     total = config.num_threads or len(available)
     if size > len(available):
@@ -56,6 +65,8 @@ class DataParallelEngineClient:
         size: int,
         on_step: StepCallback | None = None,
         on_dead: Callable[[str], None] | None = None,
+        executor: Executor = "process",
+        ray_address: str | None = None,
     ) -> None:
         self.config = config
         self.on_dead = on_dead
@@ -67,8 +78,10 @@ class DataParallelEngineClient:
                 tokenizer,
                 on_step=self._step_callback(rank),
                 on_dead=self._dead_callback(rank),
+                executor=executor,
+                ray_address=ray_address,
             )
-            for rank, core_config in enumerate(split_cores(config, size))
+            for rank, core_config in enumerate(split_cores(config, size, executor))
         ]
         self.capabilities: ModelCapabilities | None = None
         self.dead_reason: str | None = None  # set once every core is gone

@@ -86,6 +86,14 @@ def _parser() -> argparse.ArgumentParser:
         "least loaded (generation: the one holding the prompt's prefix)",
     )  # fmt: skip
     serve.add_argument(
+        "--distributed-executor", default="process", choices=["process", "ray"],
+        help="engine cores as local processes, or as Ray actors on a cluster (zmq over TCP)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--ray-address", default=None,
+        help="the Ray cluster for --distributed-executor ray (default: RAY_ADDRESS or local)",
+    )  # fmt: skip
+    serve.add_argument(
         "--engine-heartbeat-timeout", type=float, default=defaults.engine_heartbeat_timeout_s,
         help="seconds without a word from the engine core before /health reports it hung",
     )  # fmt: skip
@@ -147,6 +155,7 @@ def serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, auto_truncate=args.auto_truncate,
         max_request_tokens=args.max_request_tokens, max_response_values=args.max_response_values,
         engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        distributed_executor=args.distributed_executor, ray_address=args.ray_address,
         data_parallel_size=args.data_parallel_size, chat_template=_chat_template(args.chat_template),
     )  # fmt: skip
     state = ServerState(_engine_config(args), options)

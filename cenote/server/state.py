@@ -48,6 +48,8 @@ class ServerOptions:
     blocking_threads: int = 2  # threads for tokenization, chat templates and big JSON bodies
     engine_heartbeat_timeout_s: float = 30.0  # /health fails when the core is silent this long
     data_parallel_size: int = 1  # engine-core processes, each on its own share of the cores
+    distributed_executor: str = "process"  # engine cores as local processes, or Ray actors
+    ray_address: str | None = None  # executor "ray": the cluster (None: RAY_ADDRESS or local)
     chat_template: str | None = None  # --chat-template; None: the model's own
 
 
@@ -68,11 +70,13 @@ class ServerState:
             self.client = DataParallelEngineClient(
                 engine_config, self.tokenizer, options.data_parallel_size,
                 on_step=self.metrics.record_step, on_dead=self._on_dead,
+                executor=options.distributed_executor, ray_address=options.ray_address,
             )  # fmt: skip
         else:
             self.client = AsyncEngineClient(
                 engine_config, self.tokenizer, on_step=self.metrics.record_step,
-                on_dead=self._on_dead,
+                on_dead=self._on_dead, executor=options.distributed_executor,
+                ray_address=options.ray_address,
             )  # fmt: skip
         self.input_processor: InputProcessor | None = None  # set once the core is ready
         self.on_engine_dead: Callable[[str], None] | None = None
