@@ -11,6 +11,10 @@ class InvalidInputError(CenoteError, ValueError):
     """A request the engine cannot serve as given (too long, bad ids, bad options)."""
 
 
+class InvalidInputTypeError(InvalidInputError, TypeError):
+    """A request field of the wrong type (a ``TypeError`` too, as Python callers expect)."""
+
+
 class UnsupportedTaskError(InvalidInputError):
     """The model does not support the requested task."""
 

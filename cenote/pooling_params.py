@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from cenote.errors import InvalidInputError
 from cenote.tasks import POOLING_TASKS, PoolingTask
 
 
@@ -27,26 +28,26 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         if self.task is not None and self.task not in POOLING_TASKS:
-            raise ValueError(f"unknown pooling task {self.task!r}; choose one of {POOLING_TASKS}")
+            raise InvalidInputError(f"unknown pooling task {self.task!r}; choose one of {POOLING_TASKS}")
         if self.dimensions is not None and (
             not isinstance(self.dimensions, int) or self.dimensions < 1
         ):
-            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+            raise InvalidInputError(f"dimensions must be a positive integer, got {self.dimensions!r}")
         if self.max_active_dims is not None and (
             not isinstance(self.max_active_dims, int)
             or isinstance(self.max_active_dims, bool)
             or self.max_active_dims < 1
         ):
-            raise ValueError(
+            raise InvalidInputError(
                 f"max_active_dims must be a positive integer, got {self.max_active_dims!r}"
             )
         if self.truncation_side not in ("left", "right"):
-            raise ValueError(
+            raise InvalidInputError(
                 f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}"
             )
 
     def with_task(self, task: PoolingTask) -> PoolingParams:
         """A copy bound to ``task`` (an explicit task that differs is an error)."""
         if self.task is not None and self.task != task:
-            raise ValueError(f"pooling params are for task {self.task!r}, not {task!r}")
+            raise InvalidInputError(f"pooling params are for task {self.task!r}, not {task!r}")
         return PoolingParams(**{**self.__dict__, "task": task})

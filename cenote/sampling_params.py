@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
+from cenote.errors import InvalidInputError, InvalidInputTypeError
+
 # Temperatures below this are treated as greedy decoding.
 GREEDY_TEMPERATURE = 1e-5
 # integers cross the process boundary as int64
@@ -119,7 +121,7 @@ class SamplingParams:
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise InvalidInputError(message)
 
 
 def _normalize_stop(stop: object) -> list[str]:
@@ -131,9 +133,9 @@ def _normalize_stop(stop: object) -> list[str]:
     if isinstance(stop, list | tuple):
         for item in stop:
             if not isinstance(item, str):
-                raise TypeError(
+                raise InvalidInputTypeError(
                     f"stop must be a str or a list of str, got a list containing "
                     f"{type(item).__name__} ({item!r})"
                 )
         return [s for s in stop if s]
-    raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__}")
+    raise InvalidInputTypeError(f"stop must be a str or a list of str, got {type(stop).__name__}")

@@ -232,3 +232,9 @@ def test_a_slow_client_is_disconnected_and_others_are_served():
         slow.close()
     finally:
         server.stop()
+
+
+def test_an_empty_document_is_named_as_a_document(gen):
+    """SmolLM2 (no special tokens) as a bi-encoder: an empty document has 0 tokens."""
+    body = {"query": "rivers", "documents": ["a river", ""]}
+    assert "document 1 is empty" in _error(gen.post("/v1/rerank", json=body), 400)

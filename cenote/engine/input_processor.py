@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from cenote.config import ModelConfig
 from cenote.engine.messages import EngineCoreRequest
-from cenote.errors import InvalidInputError, UnsupportedTaskError
+from cenote.errors import InvalidInputError, InvalidInputTypeError, UnsupportedTaskError
 from cenote.models.colbert import TextRole, colbert_prompts
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -71,10 +71,12 @@ class InputProcessor:
         is_pooling: bool = True,
         indices: Sequence[int] | None = None,
         role: TextRole = "document",
+        label: str = "prompt",
     ) -> list[TokenizedPrompt]:
         """Tokenize a batch; texts go through the fast tokenizer in one call. ``indices`` are the
-        prompts' positions in the user's list (for error messages). A ColBERT model formats
-        pooled texts as a query or a document (``role``); other models ignore it."""
+        prompts' positions in the user's list and ``label`` what the user calls them ("prompt",
+        "query", "document"), for error messages. A ColBERT model formats pooled texts as a
+        query or a document (``role``); other models ignore it."""
         indices = list(indices) if indices is not None else list(range(len(prompts)))
         max_length = self._truncation_length(truncate_prompt_tokens)
         texts: list[tuple[int, str]] = []
@@ -90,7 +92,7 @@ class InputProcessor:
             elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
                 texts.append((i, prompt["prompt"]))
             else:
-                raise TypeError(
+                raise InvalidInputTypeError(
                     f"prompt {indices[i]} is a {type(prompt).__name__}; expected a string or a dict with "
                     "'prompt' (text) or 'prompt_token_ids' (list of ints)"
                 )
@@ -109,7 +111,7 @@ class InputProcessor:
             for i, _ in texts:
                 results[i].num_instruction_tokens = self.instruction_length
         for i, result in enumerate(results):
-            self._check_length(result.prompt_token_ids, indices[i], truncate_prompt_tokens)
+            self._check_length(result.prompt_token_ids, indices[i], truncate_prompt_tokens, label)
         return results
 
     def _encode(self, texts: list[str], max_length, side, add_special_tokens, is_pooling):
@@ -159,7 +161,7 @@ class InputProcessor:
         if not isinstance(ids, list | tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in ids
         ):
-            raise TypeError(f"prompt {index}: prompt_token_ids must be a list of ints")
+            raise InvalidInputTypeError(f"prompt {index}: prompt_token_ids must be a list of ints")
         vocab = self.model_config.vocab_size
         for position, token_id in enumerate(ids):
             if not 0 <= token_id < vocab:
@@ -169,13 +171,15 @@ class InputProcessor:
                 )
         return list(ids)
 
-    def _check_length(self, ids: list[int], index: int, truncate: int | None) -> None:
+    def _check_length(
+        self, ids: list[int], index: int, truncate: int | None, label: str = "prompt"
+    ) -> None:
         limit = self.model_config.max_model_len
         if not ids:
-            raise InvalidInputError(f"prompt {index} is empty (0 tokens)")
+            raise InvalidInputError(f"{label} {index} is empty (0 tokens)")
         if len(ids) > limit:
             raise InvalidInputError(
-                f"prompt {index} has {len(ids)} tokens, but the model's limit (max_model_len) is "
+                f"{label} {index} has {len(ids)} tokens, but the model's limit (max_model_len) is "
                 f"{limit}; pass truncate_prompt_tokens=-1 (or a value up to {limit}) to truncate it"
             )
 

@@ -306,8 +306,12 @@ def _plan_embedding(
     query_index: dict[str, int] = {}
     for query, _ in pairs:
         query_index.setdefault(query, len(query_index))
-    queries = processor.tokenize(list(query_index), truncate_prompt_tokens, role="query")
-    documents = processor.tokenize([d for _, d in pairs], doc_truncate, role="document")
+    queries = processor.tokenize(
+        list(query_index), truncate_prompt_tokens, role="query", label="query"
+    )
+    documents = processor.tokenize(
+        [d for _, d in pairs], doc_truncate, role="document", label="document"
+    )
     num_queries = len(queries)
     return ScorePlan(
         prompts=queries + documents,

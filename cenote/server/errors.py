@@ -191,14 +191,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid_input(_: Request, error: InvalidInputError) -> JSONResponse:
         return error_response(400, str(error), "invalid_request_error")
 
-    @app.exception_handler(ValueError)
-    async def _value_error(_: Request, error: ValueError) -> JSONResponse:
-        return error_response(400, str(error), "invalid_request_error")
-
-    @app.exception_handler(TypeError)
-    async def _type_error(_: Request, error: TypeError) -> JSONResponse:
-        return error_response(400, str(error), "invalid_request_error")
-
     @app.exception_handler(RequestFailedError)
     async def _request_failed(_: Request, error: RequestFailedError) -> JSONResponse:
         # a bug inside the engine: the core logged the traceback; the engine goes on
