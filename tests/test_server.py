@@ -239,15 +239,37 @@ def test_overload_answers_429_with_retry_after():
     [
         (["/nonexistent/model"], "is not a model folder (config.json is missing) nor a .gguf file"),
         (["--pooler-config", '{"pooling_type": "MAX"}'], "pooling_type must be one of"),
+        (["--port", "70000"], "--port must be between 1 and 65535, got 70000"),
+        (["--port", "IN_USE"], "Address already in use"),
     ],
 )
 def test_bad_command_line_exits_2_with_the_reason(args, message):
+    import socket
     import subprocess
     import sys
 
-    done = subprocess.run(
-        [sys.executable, "-m", "cenote", "serve", *args, "--port", "1"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+    from tests.server_fixture import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = [str(taken.getsockname()[1]) if a == "IN_USE" else a for a in args]
+        port = [] if "--port" in args else ["--port", str(free_port())]
+        done = subprocess.run(
+            [sys.executable, "-m", "cenote", "serve", *args, *port],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )  # fmt: skip
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_version():
+    import subprocess
+    import sys
+
+    import cenote
+
+    done = subprocess.run(
+        [sys.executable, "-m", "cenote", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == f"cenote {cenote.__version__}"

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 
@@ -21,7 +22,10 @@ logger = logging.getLogger("cenote.serve")
 
 
 def _parser() -> argparse.ArgumentParser:
+    from cenote import __version__
+
     parser = argparse.ArgumentParser(prog="cenote")
+    parser.add_argument("--version", action="version", version=f"cenote {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     defaults = ServerOptions()
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        _check_port(args.host, args.port)  # before loading a model: fail fast
         code = serve(args)
     except (FileNotFoundError, ValueError) as e:  # a bad model path or option: no traceback
         parser.exit(2, f"cenote serve: error: {e}\n")
@@ -136,6 +141,18 @@ def _run_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return args.run(args)
     except (FileNotFoundError, ValueError, ConnectionError) as e:
         parser.exit(1, f"cenote {args.command}: error: {e}\n")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port that cannot be served (out of range, in use, not allowed) at once."""
+    if not 0 < port < 65536:
+        raise ValueError(f"--port must be between 1 and 65535, got {port}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
 
 
 def serve(args: argparse.Namespace) -> int:
