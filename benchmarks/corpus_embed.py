@@ -1,12 +1,14 @@
 """Corpus embedding throughput: ``LLM.embed`` in one process vs the ``cenote embed`` CLI vs the
-same job through Ray Data (2 workers x 1 CPU, and 1 worker x all CPUs), side by side, on the
-same machine, model, dtype and passages. Prints the CPU, passages/s and tokens/s, and the
+same job through Ray Data (2 workers x 1 CPU, and 1 worker x all CPUs) vs ``cenote serve`` with
+one engine core and with two (``--data-parallel-size 2``), side by side, on the same machine,
+model, dtype and passages. Prints the CPU, passages/s and tokens/s, and the
 ratios to ``LLM.embed`` (goals: CLI >= 0.95x, Ray >= 0.9x on the same cores).
 
     flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/corpus_embed.py --num-passages 10000
 
 ``LLM.embed`` is timed from a loaded model; the CLI and Ray runs are timed end to end (process
-start, model load, Ray start, reading JSONL, writing Parquet parts), as a user sees them.
+start, model load, Ray start, reading JSONL, writing Parquet parts), as a user sees them; the
+served runs end to end from launch, and ("job s") their requests alone.
 """
 
 from __future__ import annotations
@@ -85,6 +87,47 @@ def time_cli(corpus: Path, output: Path, dtype: str, *extra: str) -> tuple[float
     return seconds, float(re.search(r"tokens in ([0-9.]+) s", done.stdout)[1])
 
 
+def time_served(passages: list[str], dtype: str, data_parallel_size: int) -> tuple[float, float]:
+    """(wall seconds from launching ``cenote serve --data-parallel-size N`` to the last answer,
+    seconds of the embedding requests alone): the corpus posted 32 passages a request, 8 requests
+    at a time, through lean keep-alive connections."""
+    import asyncio
+
+    import msgspec
+    from serve_embed import _Connection
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.server_fixture import ServerProcess
+
+    bodies = [
+        msgspec.json.encode({"input": passages[i : i + 32], "truncate_prompt_tokens": -1})
+        for i in range(0, len(passages), 32)
+    ]
+
+    async def post_all(url: str) -> None:
+        queue = list(reversed(bodies))
+
+        async def worker() -> None:
+            connection = await _Connection.open(url)
+            try:
+                while queue:
+                    await connection.post_json("/v1/embeddings", queue.pop())
+            finally:
+                connection.close()
+
+        await asyncio.gather(*(worker() for _ in range(8)))
+
+    launched = time.perf_counter()
+    server = ServerProcess("--dtype", dtype, "--data-parallel-size", str(data_parallel_size))
+    try:
+        started = time.perf_counter()
+        asyncio.run(post_all(server.url))
+        finished = time.perf_counter()
+    finally:
+        server.stop()
+    return finished - launched, finished - started
+
+
 def time_driver_alone(corpus: Path, output: Path, dim: int = 384) -> float:
     """The job without a model: read the JSONL, cut parts, write Parquet parts and the manifest
     (random vectors, which do not compress). Its rate is what one driver can feed: the ceiling
@@ -116,6 +159,7 @@ def main() -> None:
     parser.add_argument("--max-words", type=int, default=80)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--skip-ray", action="store_true")
+    parser.add_argument("--skip-serve", action="store_true")
     args = parser.parse_args()
 
     passages = make_passages(args.num_passages, args.min_words, args.max_words)
@@ -142,6 +186,12 @@ def main() -> None:
             corpus, work / "ray1", args.dtype, "--ray", "--ray-workers", "1",
             "--ray-cpus-per-worker", str(os.cpu_count()),
         )  # fmt: skip
+
+    if not args.skip_serve:
+        for size in (1, 2):
+            name = f"cenote serve, data parallel {size}"
+            results[name] = time_served(passages, args.dtype, size)
+            print(f"  {name}: {results[name][1]:.1f} s of requests")
 
     driver = time_driver_alone(corpus, work / "driver")
     print(
