@@ -28,11 +28,15 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         if self.task is not None and self.task not in POOLING_TASKS:
-            raise InvalidInputError(f"unknown pooling task {self.task!r}; choose one of {POOLING_TASKS}")
+            raise InvalidInputError(
+                f"unknown pooling task {self.task!r}; choose one of {POOLING_TASKS}"
+            )
         if self.dimensions is not None and (
             not isinstance(self.dimensions, int) or self.dimensions < 1
         ):
-            raise InvalidInputError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+            raise InvalidInputError(
+                f"dimensions must be a positive integer, got {self.dimensions!r}"
+            )
         if self.max_active_dims is not None and (
             not isinstance(self.max_active_dims, int)
             or isinstance(self.max_active_dims, bool)
