@@ -1,7 +1,9 @@
 """What running vLLM's own server tests against ``cenote serve`` found (issue 8; docs/
 vllm-compat.md): a ``--chat-template`` for models without one, ``/score`` with ``queries`` and
 ``items``, ``max_tokens_per_doc: 0`` as "no cut", ``/tokenize`` answering ``token_strs: null``,
-and class labels named as transformers names them when the config has no ``id2label``."""
+class labels named as transformers names them when the config has no ``id2label``; streams of
+one choice per chunk, ``continuous_usage_stats`` only with ``include_usage``, and
+``prompt_logprobs`` / ``prompt_token_ids`` null unless asked."""
 
 from __future__ import annotations
 
@@ -121,3 +123,63 @@ def test_classifier_without_id2label_names_labels_as_transformers(tmp_path: Path
             logits = reference(input_ids=torch.tensor([ids])).logits[0]  # [num_labels]
         assert out.outputs.label == names[int(logits.argmax())]
         assert out.outputs.label.startswith("LABEL_")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from tests.gen_factories import smollm2_path
+
+    server = ServerProcess(
+        str(smollm2_path()), "--dtype", "float32", "--num-threads", "1", "--max-model-len", "256"
+    )  # fmt: skip
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            yield client
+    finally:
+        server.stop()
+
+
+def _stream(client: httpx.Client, body: dict) -> list[dict]:
+    chunks = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line.removeprefix("data: ")))
+    return chunks
+
+
+def test_stream_sends_one_choice_per_chunk(smol) -> None:
+    # n=3 at temperature 1 with this seed: two samples end at their first token (EOS) in the
+    # same step, which used to share one chunk
+    body = {"prompt": "What is an LLM?", "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 42}
+    whole = _post(smol, "/v1/completions", body)["choices"]
+    chunks = _stream(smol, body)
+    assert all(len(chunk["choices"]) == 1 for chunk in chunks)
+    finishes = [c["index"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+    assert sorted(finishes) == [0, 1, 2]
+    texts = ["", "", ""]
+    for chunk in chunks:
+        texts[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
+    assert texts == [c["text"] for c in whole]
+
+
+def test_continuous_usage_only_with_include_usage(smol) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    alone = _stream(smol, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all(chunk.get("usage") is None for chunk in alone)
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    with_usage = _stream(smol, {**body, "stream_options": both})
+    assert all(chunk["usage"]["completion_tokens"] >= 1 for chunk in with_usage)
+    assert with_usage[-1]["choices"] == []
+
+
+def test_prompt_fields_null_unless_asked(smol) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    choice = _post(smol, "/v1/completions", body)["choices"][0]
+    assert choice["prompt_logprobs"] is None and choice["prompt_token_ids"] is None
+    asked = {**body, "prompt_logprobs": 1, "return_token_ids": True}
+    choice = _post(smol, "/v1/completions", asked)["choices"][0]
+    assert len(choice["prompt_logprobs"]) == len(choice["prompt_token_ids"]) > 1
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    assert _post(smol, "/v1/chat/completions", chat)["prompt_logprobs"] is None

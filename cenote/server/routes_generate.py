@@ -265,7 +265,10 @@ class _Job:
         finished: set[tuple[int, int]] = set()  # choices whose finish_reason went out
         final: dict[int, RequestOutput] = {}
         options = self.body.stream_options
-        continuous = options is not None and options.continuous_usage_stats
+        # usage in every chunk only together with include_usage (vLLM)
+        continuous = (
+            options is not None and options.include_usage and options.continuous_usage_stats
+        )
         try:
             if self.chat:
                 for i in range(len(self.tokenized) * self.params.n):
@@ -290,9 +293,9 @@ class _Job:
                     if c.finish_reason:
                         finished.add(key)
                     choices.append(self._choice(index, c, output, text, tokens, token_start, first))
-                if choices:
+                for choice in choices:  # one choice per chunk, as OpenAI and vLLM stream
                     usage = self._usage(final) if continuous else None
-                    yield self._sse(choices, chunk=True, usage=usage)
+                    yield self._sse([choice], chunk=True, usage=usage)
             usage = self._usage(final, record=True)
             if options is not None and options.include_usage:
                 yield self._sse([], chunk=True, usage=usage)
@@ -339,8 +342,8 @@ class _Job:
         return choice
 
     def _prompt_extras(self, output: RequestOutput) -> dict[str, Any]:
-        """``prompt_logprobs`` and ``prompt_token_ids`` when asked (vLLM's fields)."""
-        extras: dict[str, Any] = {}
+        """``prompt_logprobs`` and ``prompt_token_ids`` (vLLM's fields): null unless asked."""
+        extras: dict[str, Any] = {"prompt_logprobs": None, "prompt_token_ids": None}
         if self.body.prompt_logprobs is not None and output.prompt_logprobs is not None:
             extras["prompt_logprobs"] = [
                 None if entry is None else {
