@@ -238,3 +238,17 @@ def test_an_empty_document_is_named_as_a_document(gen):
     """SmolLM2 (no special tokens) as a bi-encoder: an empty document has 0 tokens."""
     body = {"query": "rivers", "documents": ["a river", ""]}
     assert "document 1 is empty" in _error(gen.post("/v1/rerank", json=body), 400)
+
+
+def test_stream_options_without_stream_is_400(gen):
+    body = {"prompt": "a", "max_tokens": 1, "stream_options": {"include_usage": True}}
+    assert "stream_options" in _error(gen.post("/v1/completions", json=body), 400)
+
+
+def test_echo_of_token_ids_keeps_their_special_tokens(gen):
+    """SmolLM2: id 1 is <|im_start|>; an echoed token-id prompt reads as its text, specials kept."""
+    ids = [1, *gen.post("/tokenize", json={"prompt": "user"}).json()["tokens"]]
+    body = {"prompt": ids, "max_tokens": 1, "echo": True, "temperature": 0}
+    response = gen.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"].startswith("<|im_start|>user")

@@ -83,6 +83,8 @@ def _check_request(state: ServerState, body: _GenerationBody) -> None:
     """Model, task, the OpenAI fields cenote does not implement, and ``n``."""
     state.processor()
     state.check_model(body.model)
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options applies only when stream is true", "stream_options")
     if "generate" not in state.supported_tasks:
         raise BadRequest(
             f"{state.model_name} does not generate text (task 'generate' is not supported); it "
@@ -331,8 +333,13 @@ class _Job:
         logprobs = None
         if entries is not None:
             logprobs = self._completion_logprobs((index, c.index), output, token_ids, entries, echo)
-        if echo:
-            text = (output.prompt or "") + text
+        if echo:  # the prompt as given; token ids as their text, special tokens kept (vLLM)
+            prompt = output.prompt
+            if prompt is None:
+                prompt = self.state.tokenizer.decode(
+                    output.prompt_token_ids, skip_special_tokens=False
+                )
+            text = prompt + text
         choice = {"index": choice_index, "text": text, "logprobs": logprobs,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
         if self.body.return_token_ids:
