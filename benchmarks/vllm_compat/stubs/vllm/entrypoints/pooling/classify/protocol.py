@@ -1,0 +1,1 @@
+from vllm._responses import ClassificationResponse, ClassificationData  # noqa

@@ -1,0 +1,1 @@
+from vllm._responses import RerankResponse, ScoreResponse  # noqa

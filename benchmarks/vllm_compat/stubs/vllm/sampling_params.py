@@ -1,0 +1,1 @@
+from vllm._unit_only import SamplingParams  # noqa
