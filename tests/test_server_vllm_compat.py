@@ -139,9 +139,9 @@ def smol():
         server.stop()
 
 
-def _stream(client: httpx.Client, body: dict) -> list[dict]:
+def _stream(client: httpx.Client, body: dict, route: str = "/v1/completions") -> list[dict]:
     chunks = []
-    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+    with client.stream("POST", route, json={**body, "stream": True}) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -183,3 +183,12 @@ def test_prompt_fields_null_unless_asked(smol) -> None:
     assert len(choice["prompt_logprobs"]) == len(choice["prompt_token_ids"]) > 1
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
     assert _post(smol, "/v1/chat/completions", chat)["prompt_logprobs"] is None
+
+
+def test_continuous_usage_in_every_chat_chunk(smol) -> None:
+    """Chat's first chunk (the assistant role) carries usage too: the prompt, 0 completion."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _stream(smol, {**body, "stream_options": both}, "/v1/chat/completions")
+    assert chunks[0]["usage"]["completion_tokens"] == 0 and chunks[0]["usage"]["prompt_tokens"] > 0
+    assert all(chunk["usage"]["prompt_tokens"] > 0 for chunk in chunks)

@@ -273,9 +273,13 @@ class _Job:
         )
         try:
             if self.chat:
+                prompt_tokens = sum(len(t.prompt_token_ids) for t in self.tokenized)
+                start_usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                               "total_tokens": prompt_tokens}  # fmt: skip
                 for i in range(len(self.tokenized) * self.params.n):
                     delta = {"role": "assistant", "content": ""}
-                    yield self._sse([{"index": i, "delta": delta, "finish_reason": None}])
+                    choice = {"index": i, "delta": delta, "finish_reason": None}
+                    yield self._sse([choice], usage=start_usage if continuous else None)
             async for index, output in self._outputs():
                 final[index] = output
                 choices = []
