@@ -6,8 +6,6 @@ from __future__ import annotations
 import base64
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import torch
@@ -39,7 +37,7 @@ async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Res
 
         return await sparse_embeddings(state, body)
     outputs, request_id = await pool(state, body, "embed", "embd", EmbeddingOutput)
-    return await respond(state, _respond, state, request_id, outputs, body, "embedding")
+    return await respond(state, request_id, outputs, body, "embedding")
 
 
 @router.post("/pooling", responses=schema(PoolingResponse, binary=True))
@@ -48,7 +46,7 @@ async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response
     state = get_state(raw_request)
     task = body.task or _default_pooling_task(state)
     outputs, request_id = await pool(state, body, task, "pool", PoolingOutput)
-    return await respond(state, _respond, state, request_id, outputs, body, "pooling")
+    return await respond(state, request_id, outputs, body, "pooling")
 
 
 def _respond(
@@ -70,14 +68,18 @@ def _respond(
 
 
 async def respond(
-    state: ServerState, build: Callable[..., Response], *args: Any, outputs_at: int = 2
+    state: ServerState,
+    request_id: str,
+    outputs: list[PoolingRequestOutput],
+    body: _PoolingBody,
+    object_name: str,
 ) -> Response:
-    """Build a response, off the event loop when its outputs are large (lists and JSON of
+    """The response, built off the event loop when its outputs are large (lists and JSON of
     millions of numbers would stall every other request)."""
-    outputs: list[PoolingRequestOutput] = args[outputs_at]
+    args = (state, request_id, outputs, body, object_name)
     if sum(out.outputs.data.numel() for out in outputs) <= _INLINE_RESPONSE_VALUES:
-        return build(*args)
-    return await state.offload(build, *args)
+        return _respond(*args)
+    return await state.offload(_respond, *args)
 
 
 def _default_pooling_task(state: ServerState) -> PoolingTask:
