@@ -31,9 +31,9 @@ from cenote.engine.ipc import (
     make_encoder,
     output_decoder,
 )
-from cenote.engine.messages import EngineCoreRequest, SchedulerStats
 from cenote.engine.output_processor import OutputProcessor, RequestFailure
 from cenote.errors import EngineDeadError
+from cenote.messages import EngineCoreRequest, SchedulerStats
 from cenote.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)

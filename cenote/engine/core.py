@@ -9,14 +9,14 @@ import torch
 
 from cenote.config import EngineConfig
 from cenote.engine.input_processor import ModelCapabilities, ScoreType
-from cenote.engine.messages import (
+from cenote.kv_cache.manager import KVCacheManager, num_blocks_for_memory
+from cenote.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestError,
     SchedulerStats,
 )
-from cenote.kv_cache.manager import KVCacheManager, num_blocks_for_memory
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 from cenote.models.registry import get_entry

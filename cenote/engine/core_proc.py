@@ -28,7 +28,7 @@ from cenote.engine.ipc import (
     input_decoder,
     make_encoder,
 )
-from cenote.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from cenote.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

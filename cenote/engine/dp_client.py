@@ -23,8 +23,8 @@ from cenote.config import EngineConfig
 from cenote.engine.async_client import AsyncEngineClient, StepCallback
 from cenote.engine.core_launcher import Executor
 from cenote.engine.input_processor import ModelCapabilities
-from cenote.engine.messages import EngineCoreRequest, SchedulerStats
 from cenote.errors import EngineDeadError
+from cenote.messages import EngineCoreRequest, SchedulerStats
 from cenote.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from typing import Any, Literal
 from tokenizers import Tokenizer
 
 from cenote.config import ModelConfig
-from cenote.engine.messages import EngineCoreRequest
 from cenote.errors import InvalidInputError, InvalidInputTypeError, UnsupportedTaskError
+from cenote.messages import EngineCoreRequest
 from cenote.models.colbert import TextRole, colbert_prompts
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import INT64_MAX, INT64_MIN, SamplingParams

@@ -1,6 +1,6 @@
 """The wire between the front process and the engine-core process: msgspec messages over zmq.
 
-Requests and outputs are the engine's own typed messages (``cenote.engine.messages``), encoded
+Requests and outputs are the engine's own typed messages (``cenote.messages``), encoded
 with msgspec; tensors travel as raw bytes + dtype + shape in a msgpack extension.
 """
 
@@ -10,7 +10,7 @@ import msgspec
 import torch
 
 from cenote.engine.input_processor import ModelCapabilities
-from cenote.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from cenote.messages import EngineCoreOutputs, EngineCoreRequest
 
 _TENSOR_EXT = 1  # msgpack extension code of a tensor
 

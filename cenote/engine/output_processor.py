@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from cenote.engine.messages import (
+from cenote.errors import RequestFailedError, RequestRejectedError
+from cenote.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
     LogprobsLists,
     RequestError,
 )
-from cenote.errors import RequestFailedError, RequestRejectedError
 from cenote.outputs import (
     CompletionOutput,
     Logprob,

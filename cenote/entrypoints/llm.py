@@ -15,8 +15,8 @@ from cenote.engine.chat import render_chat, special_token_variables
 from cenote.engine.core import EngineCore
 from cenote.engine.input_processor import InputProcessor, PromptType
 from cenote.engine.output_processor import OutputProcessor, RequestFailure
-from cenote.engine.tokenizer import load_chat_template, load_tokenizer
 from cenote.models.registry import ConvertOption
+from cenote.models.tokenizer import load_chat_template, load_tokenizer
 from cenote.outputs import (
     ClassificationOutput,
     EmbeddingOutput,

@@ -333,7 +333,7 @@ class LlamaForSequenceClassification(LlamaDecoder):
 
 def _token_ids(model_config: ModelConfig, tokens: list[str]) -> list[int]:
     """Vocabulary ids of ``classifier_from_token`` entries (each must be a single token)."""
-    from cenote.engine.tokenizer import load_tokenizer
+    from cenote.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_config)
     ids = []

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from cenote.config import EngineConfig
-from cenote.engine.messages import LogprobsLists
 from cenote.forward_context import forward_context
+from cenote.messages import LogprobsLists
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.runner.batch import InputBatch, build_input_batch
 from cenote.runner.output import ModelRunnerOutput

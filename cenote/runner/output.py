@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cenote.engine.messages import LogprobsLists
+from cenote.messages import LogprobsLists
 
 
 @dataclass

@@ -7,8 +7,8 @@ from collections import deque
 from collections.abc import Iterable
 
 from cenote.config import CacheConfig, SchedulerConfig
-from cenote.engine.messages import EngineCoreOutput, LogprobsLists
 from cenote.kv_cache.manager import KVCacheManager
+from cenote.messages import EngineCoreOutput, LogprobsLists
 from cenote.runner.output import ModelRunnerOutput
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
 from cenote.scheduler.request import FINISH_REASONS, Request, RequestStatus

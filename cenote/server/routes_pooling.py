@@ -12,7 +12,7 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from cenote.engine.messages import EngineCoreRequest
+from cenote.messages import EngineCoreRequest
 from cenote.outputs import EmbeddingOutput, PoolingOutput, PoolingRequestOutput
 from cenote.pooling_params import PoolingParams
 from cenote.server.body import JSONRoute

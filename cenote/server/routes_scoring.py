@@ -7,8 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from cenote.engine.messages import EngineCoreRequest
 from cenote.engine.scoring import ScorePlan, pair_texts, plan_scores
+from cenote.messages import EngineCoreRequest
 from cenote.outputs import ClassificationOutput, PoolingRequestOutput
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest

@@ -19,8 +19,8 @@ from cenote.engine.async_client import AsyncEngineClient
 from cenote.engine.chat import render_chat, special_token_variables
 from cenote.engine.dp_client import DataParallelEngineClient
 from cenote.engine.input_processor import InputProcessor, PromptType
-from cenote.engine.messages import EngineCoreRequest
-from cenote.engine.tokenizer import load_chat_template, load_tokenizer
+from cenote.messages import EngineCoreRequest
+from cenote.models.tokenizer import load_chat_template, load_tokenizer
 from cenote.outputs import PoolingOutput, PoolingRequestOutput
 from cenote.server.errors import BadRequest, ModelNotFound, Overloaded, Unavailable
 from cenote.server.metrics import ServerMetrics

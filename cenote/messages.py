@@ -1,4 +1,5 @@
-"""Typed messages between the front end and the engine core (they may cross a process)."""
+"""Typed messages shared by the layers: front end <-> engine core (they may cross a process),
+scheduler and runner outputs. The bottom of the package: it imports only the parameter types."""
 
 from __future__ import annotations
 
