@@ -17,15 +17,17 @@ from cenote.messages import (
     RequestError,
     SchedulerStats,
 )
+from cenote.models.interfaces import DecoderModel
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 from cenote.models.registry import get_entry
 from cenote.pooling.builder import build_pooler
-from cenote.pooling.pooler import ClassifierPooler
+from cenote.pooling.pooler import DispatchPooler
 from cenote.runner.model_runner import ModelRunner
 from cenote.scheduler.output import SchedulerOutput
 from cenote.scheduler.request import Request, RequestStatus
 from cenote.scheduler.scheduler import Scheduler
+from cenote.tasks import SupportedTask
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +54,10 @@ class EngineCore:
             kv_manager, kv_caches = self._make_kv_cache()
         self.kv_cache_manager = kv_manager
         self.runner = ModelRunner(config, self.model, pooler, kv_caches)
-        poolers = pooler.poolers if pooler is not None else {}
-        embedding = poolers.get("embed") or poolers.get("token_embed")
-        classifier = poolers.get("classify")
-        cacheable = set()  # tasks that read only the last token may reuse the prefix cache
-        if "embed" in poolers and embedding.method == "last":
-            cacheable.add("embed")
-        if isinstance(classifier, ClassifierPooler) and classifier.method == "last":
-            cacheable.add("classify")
-        cacheable = frozenset(cacheable)
+        cacheable: frozenset[str] = frozenset()  # tasks that may reuse the prefix cache
+        if pooler is not None:
+            tasks = pooler.get_supported_tasks()
+            cacheable = frozenset(t for t in tasks if pooler.requirements(t).prefix_cache_safe)
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -68,16 +65,17 @@ class EngineCore:
             prefix_cacheable_tasks=cacheable,
             max_model_len=model_config.max_model_len,
         )
-        self.capabilities = self._capabilities(entry.tasks, embedding, poolers)
+        self.capabilities = self._capabilities(entry.tasks, pooler)
         self._consecutive_failures = 0
 
-    def _capabilities(self, tasks, embedding, poolers) -> ModelCapabilities:
+    def _capabilities(
+        self, tasks: tuple[SupportedTask, ...], pooler: DispatchPooler | None
+    ) -> ModelCapabilities:
         model_config = self.config.model
-        classifier = poolers.get("classify") or poolers.get("token_classify")
-        num_labels = classifier.num_labels if isinstance(classifier, ClassifierPooler) else None
+        num_labels = pooler.num_labels if pooler is not None else None
         return ModelCapabilities(
             supported_tasks=tasks,
-            embedding_size=embedding.output_size if embedding is not None else None,
+            embedding_size=pooler.embedding_size if pooler is not None else None,
             is_matryoshka=model_config.is_matryoshka,
             eos_token_id=model_config.hf_config.get("eos_token_id"),
             num_labels=num_labels,
@@ -89,6 +87,8 @@ class EngineCore:
     def _make_kv_cache(self) -> tuple[KVCacheManager, list[torch.Tensor]]:
         cache = self.config.cache
         model = self.model
+        if not isinstance(model, DecoderModel):
+            raise TypeError(f"{type(model).__name__} is causal but declares no KV cache layout")
         num_blocks = cache.num_gpu_blocks_override
         if num_blocks is None:
             budget = cache.kv_cache_memory_bytes or _default_kv_budget()

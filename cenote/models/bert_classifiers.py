@@ -18,6 +18,8 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert import BertModel, RobertaModel
+from cenote.pooling.activation import Activation
+from cenote.pooling.methods import PoolingMethod
 
 
 def num_labels_of(config: dict[str, Any]) -> int:
@@ -32,6 +34,10 @@ def _linear_fp32(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
 
 class BertForSequenceClassification(BertModel):
     """BERT trunk + HF pooler (dense + tanh on CLS) + ``classifier``."""
+
+    classifier_pooling: PoolingMethod | None = "cls"  # the head reads the CLS row
+    default_activation: Activation | None = None  # from the config
+    step_tag_id: int | None = None
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
@@ -61,6 +67,10 @@ class RobertaClassificationHead(nn.Module):
 class RobertaForSequenceClassification(RobertaModel):
     """RoBERTa / XLM-R trunk + classification head on ``<s>``."""
 
+    classifier_pooling: PoolingMethod | None = "cls"  # the head reads <s>
+    default_activation: Activation | None = None  # from the config
+    step_tag_id: int | None = None
+
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
         self.num_labels = num_labels_of(self.config)
@@ -73,7 +83,9 @@ class RobertaForSequenceClassification(RobertaModel):
 class BertForTokenClassification(BertModel):
     """BERT trunk + a per-token ``classifier`` (named-entity style labels)."""
 
-    is_token_classifier = True
+    classifier_pooling: PoolingMethod | None = None  # token_classify only
+    default_activation: Activation | None = None  # from the config
+    step_tag_id: int | None = None
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)

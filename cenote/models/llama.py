@@ -25,6 +25,8 @@ from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
 from cenote.models.sliding_window import kv_free_window, layer_windows
 from cenote.models.weights import copy_weight
+from cenote.pooling.activation import Activation
+from cenote.pooling.methods import PoolingMethod
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,10 @@ class LlamaForSequenceClassification(LlamaDecoder):
     ``is_original_qwen3_reranker``, the single row ``w_yes - w_no`` so that
     ``sigmoid(score) = sigmoid(logit_yes - logit_no)`` (Qwen3-Reranker).
     """
+
+    classifier_pooling: PoolingMethod | None = "last"  # the head reads the last token
+    default_activation: Activation | None = None  # from the config
+    step_tag_id: int | None = None
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)

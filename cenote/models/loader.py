@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from cenote.config import ModelConfig
+from cenote.models.interfaces import PostLoad
 from cenote.models.layers.linear import prepack_trunk
 from cenote.models.registry import load_model_class
 
@@ -65,7 +66,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
         )
     model = model.to(model_config.dtype).eval()
     prepack_trunk(model)
-    if hasattr(model, "post_load"):
+    if isinstance(model, PostLoad):
         model.post_load()  # after the cast: e.g. pack the LM head in the runtime dtype
     return model
 

@@ -23,6 +23,8 @@ from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.linear import TrunkLinear
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
 from cenote.models.weights import load_by_name
+from cenote.pooling.activation import Activation
+from cenote.pooling.methods import PoolingMethod
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _DEFAULT_THETA = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}
@@ -192,6 +194,10 @@ class ModernBertModel(nn.Module):
 class ModernBertForSequenceClassification(ModernBertModel):
     """Trunk + ``classifier(norm(act(dense(pooled))))``; pooled is CLS or the mean of the
     prompt's tokens (``classifier_pooling``). The head runs in fp32."""
+
+    classifier_pooling: PoolingMethod | None  # the config's: CLS or mean
+    default_activation: Activation | None = None  # from the config
+    step_tag_id: int | None = None
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)

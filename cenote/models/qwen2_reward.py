@@ -22,6 +22,7 @@ from torch import nn
 from cenote.config import ModelConfig
 from cenote.models.llama import LlamaDecoder
 from cenote.pooling.activation import Activation
+from cenote.pooling.methods import PoolingMethod
 
 
 class Qwen2RewardBase(LlamaDecoder):
@@ -29,8 +30,10 @@ class Qwen2RewardBase(LlamaDecoder):
 
     variant = "qwen2"
     default_num_labels: ClassVar[int]
-    default_activation: ClassVar[Activation]  # what the pooler applies unless use_activation=False
-    is_token_classifier: ClassVar[bool] = False  # True: token_classify only (no classify)
+    # what the pooler applies unless use_activation=False
+    default_activation: Activation | None
+    # classify reads the last token; None: token_classify only
+    classifier_pooling: PoolingMethod | None = "last"
     step_tag_id: int | None = None  # STEP tag for requests that pass none (None: every row)
 
     def __init__(self, model_config: ModelConfig) -> None:
@@ -81,7 +84,7 @@ class Qwen2ForProcessRewardModel(Qwen2RewardBase):
 
     default_num_labels = 2
     default_activation = "softmax"
-    is_token_classifier = True
+    classifier_pooling = None
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)

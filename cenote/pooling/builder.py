@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from cenote.config import ModelConfig
+from cenote.models.interfaces import CausalLM, MaskedLM, Model, SequenceScorer
 from cenote.models.loader import load_dense_weights
 from cenote.models.registry import ModelEntry
 from cenote.pooling.activation import classifier_activation
 from cenote.pooling.heads import DenseProjector, EmbeddingHead
 from cenote.pooling.methods import PoolingMethod
-from cenote.pooling.pooler import ClassifierPooler, DispatchPooler, EmbeddingPooler
+from cenote.pooling.pooler import ClassifierPooler, DispatchPooler, EmbeddingPooler, Pooler
 from cenote.pooling.sparse import SparsePooler
 from cenote.tasks import PoolingTask
 
@@ -71,35 +72,38 @@ def _st_settings(model_config: ModelConfig) -> dict:
         return json.load(f)
 
 
-def build_classifier_pooler(model_config: ModelConfig, model: nn.Module) -> ClassifierPooler:
-    """A model with a classification head (``compute_scores``) pools CLS (encoders with a
-    sequence head) or LAST (decoders); a token-classification head or a causal LM's LM head
-    (process reward over vocabulary logits) serves token tasks only. A model may fix its
-    activation (``default_activation``) and default STEP tag (``step_tag_id``)."""
-    if hasattr(model, "compute_scores"):
-        num_labels = model.num_labels
-        activation = getattr(model, "default_activation", None) or classifier_activation(
-            model_config.hf_config, num_labels, _st_settings(model_config)
+def build_classifier_pooler(model_config: ModelConfig, model: Model) -> ClassifierPooler:
+    """A model with a classification head (``SequenceScorer``) pools as the head declares
+    (CLS for encoders, LAST for decoders; none: token tasks only) with the activation it fixes,
+    else the config's; a causal LM's LM head scores tokens over the vocabulary (process reward,
+    token tasks only)."""
+    if isinstance(model, SequenceScorer):
+        activation = model.default_activation or classifier_activation(
+            model_config.hf_config, model.num_labels, _st_settings(model_config)
         )
-        method: PoolingMethod | None = None
-        if not getattr(model, "is_token_classifier", False):
-            method = "last" if model.is_causal else "cls"
-            method = getattr(model, "classifier_pooling", None) or method  # e.g. ModernBERT mean
-        step_tag_id = getattr(model, "step_tag_id", None)
-        return ClassifierPooler(method, model.compute_scores, activation, num_labels, step_tag_id)
+        return ClassifierPooler(
+            model.classifier_pooling,
+            model.compute_scores,
+            activation,
+            model.num_labels,
+            model.step_tag_id,
+        )
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"{type(model).__name__} has neither a classification nor an LM head")
+    lm_head = model
     dtype = model_config.dtype
 
     def lm_head_scores(hidden: torch.Tensor) -> torch.Tensor:
-        return model.compute_logits(hidden.to(dtype))  # [N, vocab] fp32
+        return lm_head.compute_logits(hidden.to(dtype))  # [N, vocab] fp32
 
     return ClassifierPooler(None, lm_head_scores, "softmax", model_config.vocab_size)
 
 
 def build_pooler(
-    model_config: ModelConfig, model: nn.Module, entry: ModelEntry
+    model_config: ModelConfig, model: Model, entry: ModelEntry
 ) -> DispatchPooler | None:
     """One pooler per pooling task the registry entry declares; None for generation only."""
-    poolers: dict[PoolingTask, nn.Module] = {}
+    poolers: dict[PoolingTask, Pooler] = {}
     if "embed" in entry.tasks or "token_embed" in entry.tasks:
         embedding = build_embedding_pooler(model_config, model.hidden_size, entry.is_causal)
         poolers.update({t: embedding for t in ("embed", "token_embed") if t in entry.tasks})
@@ -115,10 +119,12 @@ def build_pooler(
     return DispatchPooler(poolers) if poolers else None
 
 
-def build_sparse_pooler(model_config: ModelConfig, model: nn.Module) -> SparsePooler:
-    """SPLADE over the model's masked-LM head (``compute_mlm_logits``): the folder's
-    SpladePooling, else max over log1p(relu) (SPLADE v2+, as text-embeddings-inference);
-    the model's ``max_active_dims`` from config_sentence_transformers.json."""
+def build_sparse_pooler(model_config: ModelConfig, model: Model) -> SparsePooler:
+    """SPLADE over the model's masked-LM head (``MaskedLM``): the folder's SpladePooling, else
+    max over log1p(relu) (SPLADE v2+, as text-embeddings-inference); the model's
+    ``max_active_dims`` from config_sentence_transformers.json."""
+    if not isinstance(model, MaskedLM):
+        raise TypeError(f"{type(model).__name__} has no masked-LM head for sparse embeddings")
     st = model_config.st_config
     sparse = st.sparse_pooling if st is not None else None
     strategy, activation = (sparse.strategy, sparse.activation) if sparse else ("max", "relu")

@@ -13,6 +13,7 @@ from torch import nn
 
 from cenote.pooling.activation import Activation, activate
 from cenote.pooling.heads import EmbeddingHead
+from cenote.pooling.interface import LAST_TOKEN, WHOLE_PROMPT, Pooler, PoolingRequirements
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.methods import (
     SEQUENCE_METHODS,
@@ -24,6 +25,10 @@ from cenote.pooling.methods import (
 from cenote.tasks import PoolingTask
 
 ScoreFn = Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] fp32 -> [N, num_labels] fp32
+
+
+def _sequence_requirements(method: PoolingMethod | None) -> PoolingRequirements:
+    return LAST_TOKEN if method == "last" else WHOLE_PROMPT
 
 
 class EmbeddingPooler(nn.Module):
@@ -55,6 +60,9 @@ class EmbeddingPooler(nn.Module):
 
     def get_supported_tasks(self) -> tuple[PoolingTask, ...]:
         return ("embed", "token_embed")
+
+    def requirements(self, task: PoolingTask) -> PoolingRequirements:
+        return _sequence_requirements(self.method) if task == "embed" else WHOLE_PROMPT
 
     def forward(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
         """``hidden``: [num_tokens, hidden] rows of the pooled prompts -> one tensor per request."""
@@ -104,6 +112,9 @@ class ClassifierPooler(nn.Module):
     def get_supported_tasks(self) -> tuple[PoolingTask, ...]:
         return ("classify", "token_classify") if self.method is not None else ("token_classify",)
 
+    def requirements(self, task: PoolingTask) -> PoolingRequirements:
+        return _sequence_requirements(self.method) if task == "classify" else WHOLE_PROMPT
+
     def _activate(self, scores: torch.Tensor, use_activation: bool | None) -> torch.Tensor:
         return scores if use_activation is False else activate(scores, self.activation)
 
@@ -134,16 +145,33 @@ class ClassifierPooler(nn.Module):
 class DispatchPooler(nn.Module):
     """One pooler per task; each request is routed to the pooler of its task."""
 
-    def __init__(self, poolers: dict[PoolingTask, nn.Module]) -> None:
+    def __init__(self, poolers: dict[PoolingTask, Pooler]) -> None:
         super().__init__()
         self.poolers = poolers
 
     def get_supported_tasks(self) -> tuple[PoolingTask, ...]:
         return tuple(self.poolers)
 
+    def requirements(self, task: PoolingTask) -> PoolingRequirements:
+        return self.poolers[task].requirements(task)
+
+    @property
+    def embedding_size(self) -> int | None:
+        """Size of ``embed`` / ``token_embed`` vectors before matryoshka truncation (None: the
+        model does not embed)."""
+        pooler = self.poolers.get("embed") or self.poolers.get("token_embed")
+        return pooler.output_size if isinstance(pooler, EmbeddingPooler) else None
+
+    @property
+    def num_labels(self) -> int | None:
+        """Columns of ``classify`` / ``token_classify`` scores (None: the model does not
+        classify)."""
+        pooler = self.poolers.get("classify") or self.poolers.get("token_classify")
+        return pooler.num_labels if isinstance(pooler, ClassifierPooler) else None
+
     def forward(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
         groups: dict[int, list[int]] = {}  # id(pooler) -> request indices
-        by_id: dict[int, nn.Module] = {}
+        by_id: dict[int, Pooler] = {}
         for i, params in enumerate(metadata.pooling_params):
             pooler = self.poolers[params.task]
             groups.setdefault(id(pooler), []).append(i)

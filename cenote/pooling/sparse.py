@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from cenote.pooling.interface import WHOLE_PROMPT, PoolingRequirements
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.tasks import PoolingTask
 
@@ -60,6 +61,9 @@ class SparsePooler(nn.Module):
 
     def get_supported_tasks(self) -> tuple[PoolingTask, ...]:
         return ("embed_sparse",)
+
+    def requirements(self, task: PoolingTask) -> PoolingRequirements:
+        return WHOLE_PROMPT  # every token's logits
 
     def forward(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
         """``hidden [num_tokens, hidden]`` rows of the pooled prompts -> one ``[vocab_size]``

@@ -8,6 +8,7 @@ from torch import nn
 from cenote.config import EngineConfig
 from cenote.forward_context import forward_context
 from cenote.messages import LogprobsLists
+from cenote.models.interfaces import CausalLM
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.runner.batch import InputBatch, build_input_batch
 from cenote.runner.output import ModelRunnerOutput
@@ -33,7 +34,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
-        self.sampler = Sampler() if hasattr(model, "compute_logits") else None
+        self.sampler = Sampler() if isinstance(model, CausalLM) else None
         self._generators: dict[str, torch.Generator] = {}
         self._partial_hidden: dict[str, list[torch.Tensor]] = {}
 

@@ -1,0 +1,100 @@
+"""What the engine asks of a model, declared as protocols (no ``hasattr`` probing).
+
+Every registered model is a ``Model``: a trunk that turns a flat token stream into hidden states.
+A decoder adds what sizes its KV cache (``DecoderModel``); heads are further contracts a model
+class may satisfy: ``CausalLM`` (logits for sampling and vocabulary scores), ``SequenceScorer``
+(a classification / reward head and how it wants to be pooled), ``MaskedLM`` (vocabulary
+logits for sparse embeddings). The pooler builder, the model runner and the engine core ask
+``isinstance(model, Contract)``; a model class declares every attribute of the contracts it
+serves (as class or instance attributes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from cenote.pooling.activation import Activation
+    from cenote.pooling.methods import PoolingMethod
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A trunk: ``forward(input_ids [num_tokens], positions [num_tokens], token_type_ids)``
+    -> hidden states ``[num_tokens, hidden_size]``, attention metadata from the forward
+    context. ``hidden_size`` is what a pooler receives."""
+
+    is_causal: bool  # decoder with a KV cache, or bidirectional encoder
+    hidden_size: int
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) in; returns the parameters filled."""
+        ...
+
+    def required_parameters(self) -> set[str]:
+        """The parameters a checkpoint must fill (the loader names the missing ones)."""
+        ...
+
+
+@runtime_checkable
+class DecoderModel(Model, Protocol):
+    """A causal trunk with a paged KV cache of ``num_layers`` layers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_sliding_window: int | None  # set when every layer slides: blocks behind it are freed
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A language-model head: hidden rows -> vocabulary logits (sampling, prompt logprobs,
+    token scores over the vocabulary)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size]`` -> fp32 ``[N, vocab_size]``."""
+        ...
+
+
+@runtime_checkable
+class SequenceScorer(Protocol):
+    """A classification (or reward) head and how the pooler should feed it."""
+
+    num_labels: int
+    # the sequence pooling of ``classify`` (CLS for BERT heads, LAST for decoders, ModernBERT's
+    # configured one); None: the head scores tokens only (``token_classify``)
+    classifier_pooling: PoolingMethod | None
+    # the activation the head fixes (reward models); None: from the config (problem_type,
+    # CrossEncoder activation_fn, number of labels)
+    default_activation: Activation | None
+    step_tag_id: int | None  # STEP rows for requests that pass none (process reward); None: all
+
+    def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size]`` -> fp32 scores ``[N, num_labels]``."""
+        ...
+
+
+@runtime_checkable
+class MaskedLM(Protocol):
+    """A masked-LM head: hidden rows -> vocabulary logits (SPLADE sparse embeddings)."""
+
+    def compute_mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size]`` -> fp32 ``[N, vocab_size]``."""
+        ...
+
+
+@runtime_checkable
+class PostLoad(Protocol):
+    """A model with work to do once its weights are loaded and cast (e.g. pack the LM head)."""
+
+    def post_load(self) -> None: ...
