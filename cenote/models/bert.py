@@ -76,6 +76,7 @@ class BertModel(nn.Module):
 
     is_causal = False
     checkpoint_prefixes = ("bert.", "model.")
+    has_classifier_head = False  # a task head (bert_classifiers.py) loads ``classifier.*``
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
@@ -133,7 +134,7 @@ class BertModel(nn.Module):
             return "pooler_dense." + name.rsplit(".", 1)[-1], None
         if name.startswith("classifier."):
             # a task head (bert_classifiers.py) keeps HF's names; trunks skip it
-            return (name, None) if hasattr(self, "classifier") else None
+            return (name, None) if self.has_classifier_head else None
         if not name.startswith("encoder.layer."):
             return None
         rest = name[len("encoder.layer.") :]

@@ -38,6 +38,7 @@ class BertForSequenceClassification(BertModel):
     classifier_pooling: PoolingMethod | None = "cls"  # the head reads the CLS row
     default_activation: Activation | None = None  # from the config
     step_tag_id: int | None = None
+    has_classifier_head = True
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
@@ -70,6 +71,7 @@ class RobertaForSequenceClassification(RobertaModel):
     classifier_pooling: PoolingMethod | None = "cls"  # the head reads <s>
     default_activation: Activation | None = None  # from the config
     step_tag_id: int | None = None
+    has_classifier_head = True
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
@@ -86,6 +88,7 @@ class BertForTokenClassification(BertModel):
     classifier_pooling: PoolingMethod | None = None  # token_classify only
     default_activation: Activation | None = None  # from the config
     step_tag_id: int | None = None
+    has_classifier_head = True
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)

@@ -310,6 +310,7 @@ class Gemma3ForCausalLM(Gemma3Base):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(self.hidden_size, config["vocab_size"], bias=False)
         self.final_softcap = config.get("final_logit_softcapping")
+        self._lm_head_packed: torch.Tensor | None = None  # set by post_load
 
     def post_load(self) -> None:
         """Prepack the LM head in the runtime dtype: the costliest matmul of a decode step."""
@@ -320,8 +321,7 @@ class Gemma3ForCausalLM(Gemma3Base):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 logits ``[N, vocab]``, soft-capped when configured."""
-        packed = getattr(self, "_lm_head_packed", None)
-        logits = packed_linear(hidden, self._lm_head_weight(), packed, None).float()
+        logits = packed_linear(hidden, self._lm_head_weight(), self._lm_head_packed, None).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
