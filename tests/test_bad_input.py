@@ -151,10 +151,14 @@ def test_one_bad_pooling_param_fails_the_batch_before_any_work(llm_fp32) -> None
 
 
 def test_prompt_over_a_small_token_budget_is_rejected_without_leftovers(tmp_path: Path) -> None:
-    """An encoder prompt cannot be split: one longer than max_num_batched_tokens is refused
-    with both numbers, before the other prompts of its batch are submitted."""
+    """An encoder prompt cannot be split, so its budget covers max_model_len (a smaller one
+    fails at start-up: test_engine_args); a longer prompt is refused with both numbers, before
+    the other prompts of its batch are submitted."""
     make_encoder(tmp_path, "bert")
-    llm = LLM(str(tmp_path), dtype="float32", num_threads=NUM_THREADS, max_num_batched_tokens=16)
+    llm = LLM(
+        str(tmp_path), dtype="float32", num_threads=NUM_THREADS, max_num_batched_tokens=16,
+        max_model_len=16,
+    )  # fmt: skip
     fits, too_long = random_prompts([16, 17], seed=3)
     with pytest.raises(ValueError, match=r"17 tokens.*16"):
         llm.embed([{"prompt_token_ids": fits}, {"prompt_token_ids": too_long}])

@@ -42,7 +42,8 @@ class EngineCore:
     process (server); it never tokenizes or detokenizes."""
 
     def __init__(self, config: EngineConfig) -> None:
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        if config.num_threads is not None:  # None: the process's setting (EngineConfig)
+            torch.set_num_threads(config.num_threads)
         self.config = config
         model_config = config.model
         entry = get_entry(model_config.architecture)

@@ -7,13 +7,15 @@ core and tells when it has ended. ``AsyncEngineClient`` uses either without know
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import multiprocessing
 import os
 import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -21,6 +23,14 @@ from cenote.config import EngineConfig
 from cenote.engine.core_proc import run_engine_core
 
 Executor = Literal["process", "ray"]
+
+# The core shares its cores with the front process (HTTP, JSON, tokenization): its OpenMP threads
+# spin only briefly before sleeping when they wait, so a thread of the front does not leave a
+# core thread spinning. Measured (benchmarks/serve_embed.py, 384 requests): concurrency 64 served
+# 334-389 -> 422 sentences/s; fully passive waiting cost 20-30% at concurrency 1 and 16. A value
+# the user set in the environment wins.
+CORE_ENVIRONMENT = {"GOMP_SPINCOUNT": "2000"}
+_environment_lock = threading.Lock()
 
 
 class CoreLauncher(Protocol):
@@ -59,19 +69,15 @@ class ProcessLauncher:
         return (inputs, inputs), (outputs, outputs)
 
     def start(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+        threads = config.num_threads or len(config.cpu_ids or os.sched_getaffinity(0))
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(config, input_address, output_address),
+            args=(dataclasses.replace(config, num_threads=threads), input_address, output_address),
             name="cenote-engine-core",
             daemon=True,
         )
-        # The core shares its cores with this process (HTTP, JSON, tokenization): its OpenMP
-        # threads spin only briefly before sleeping when they wait, so a thread of the front does
-        # not leave a core thread spinning. Measured (benchmarks/serve_embed.py, 384 requests):
-        # concurrency 64 served 334-389 -> 422 sentences/s; fully passive waiting cost 20-30% at
-        # concurrency 1 and 16.
-        os.environ.setdefault("GOMP_SPINCOUNT", "2000")
-        process.start()
+        with child_environment(CORE_ENVIRONMENT):  # OpenMP reads it when torch loads
+            process.start()
         self._process = process
 
     @property
@@ -142,6 +148,7 @@ class RayLauncher:
         cpus = config.num_threads or 1
         actor_class = self._ray.remote(num_cpus=cpus)(_RayEngineCore)
         self._actor = actor_class.remote()
+        config = dataclasses.replace(config, num_threads=cpus)  # as many threads as CPUs
         self._done = self._actor.run.remote(config, input_address, output_address)
 
     @property
@@ -187,6 +194,20 @@ def make_launcher(executor: Executor, ray_address: str | None = None) -> CoreLau
     if executor != "process":
         raise ValueError(f"distributed executor must be 'process' or 'ray', got {executor!r}")
     return ProcessLauncher()
+
+
+@contextlib.contextmanager
+def child_environment(variables: dict[str, str]) -> Iterator[None]:
+    """Add ``variables`` (those not set already) to the environment a child process starts
+    with, and take them out of this process's environment again as soon as it has started."""
+    with _environment_lock:
+        added = {k: v for k, v in variables.items() if k not in os.environ}
+        os.environ.update(added)
+        try:
+            yield
+        finally:
+            for name in added:
+                os.environ.pop(name, None)
 
 
 def _free_port() -> int:

@@ -5,20 +5,92 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 import socket
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import uvicorn
 
+from cenote.engine_args import EngineArgs, HelpFormatter, add_arguments, option
 from cenote.entrypoints import embed, run_batch
 from cenote.server.state import ServerOptions
 
 logger = logging.getLogger("cenote.serve")
+
+
+_SERVER = ServerOptions()  # the server's defaults
+
+
+@dataclass(kw_only=True)
+class ServerArgs:
+    """The server's own options (the engine's are ``EngineArgs``)."""
+
+    host: str = option(_SERVER.host, "address to listen on")
+    port: int = option(_SERVER.port, "port to listen on")
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health",
+        shown="the CENOTE_API_KEY environment variable; unset or empty: no key",
+    )
+    chat_template: str | None = option(
+        None, "a Jinja chat template, or the file holding one", shown="the model's own"
+    )
+    max_body_bytes: int = option(_SERVER.max_body_bytes, "largest request body (more: 413)")
+    max_inputs: int = option(
+        _SERVER.max_inputs, "inputs (prompts, documents) in one request (more: 400)"
+    )
+    max_input_chars: int = option(
+        _SERVER.max_input_chars, "characters in one input text (more: 400)"
+    )
+    max_request_tokens: int = option(
+        _SERVER.max_request_tokens,
+        "prompt tokens of one request, all its inputs together (more: 400)",
+    )
+    max_response_values: int = option(
+        _SERVER.max_response_values,
+        "numbers in one pooling response, e.g. token_embed tokens x size (more: 400)",
+    )
+    max_waiting_requests: int = option(
+        _SERVER.max_waiting_requests,
+        "requests queued beyond --max-num-seqs before answering 429",
+    )
+    auto_truncate: bool = option(
+        _SERVER.auto_truncate,
+        "embedding routes cut inputs longer than the model's limit instead of refusing them",
+    )
+    read_timeout: float = option(
+        30.0, "seconds a client has to send a whole request (headers and body); slower: closed"
+    )
+    keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection is kept open")
+    max_connections: int = option(
+        1024, "open connections (and their requests) at once; more are answered 503"
+    )
+    engine_heartbeat_timeout: float = option(
+        _SERVER.engine_heartbeat_timeout_s,
+        "seconds without a word from the engine core before /health reports it hung",
+    )
+    data_parallel_size: int = option(
+        _SERVER.data_parallel_size,
+        "engine-core processes, each on its own share of the cores; requests go to the least "
+        "loaded (generation: the one holding the prompt's prefix)",
+    )
+    distributed_executor: Literal["process", "ray"] = option(
+        "process",
+        "engine cores as local processes, or as Ray actors on a cluster (zmq over TCP)",
+    )
+    ray_address: str | None = option(
+        None,
+        "the Ray cluster for --distributed-executor ray",
+        shown="RAY_ADDRESS, else a local Ray instance",
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = option(
+        "info", "log level of the server and the engine core", parse=str.lower
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,93 +99,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cenote")
     parser.add_argument("--version", action="version", version=f"cenote {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    defaults = ServerOptions()
-    serve.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="model folder or .gguf file (default: the embedded all-MiniLM-L6-v2)",
+    serve = commands.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve MODEL over an OpenAI-compatible HTTP API. The engine options are "
+        "LLM(model, **options)'s; the server options bound what a request may do.",
+        formatter_class=HelpFormatter,
     )
-    serve.add_argument("--host", default=defaults.host)
-    serve.add_argument("--port", type=int, default=defaults.port)
-    serve.add_argument("--api-key", default=os.environ.get("CENOTE_API_KEY"))
-    serve.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=256)
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--num-threads", type=int, default=None, help="engine torch threads")
-    serve.add_argument("--hf-overrides", type=json.loads, default=None, help="JSON object")
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument(
-        "--pooler-config", type=json.loads, default=None,
-        help='JSON, e.g. {"pooling_type": "MEAN", "normalize": false}',
-    )  # fmt: skip
-    serve.add_argument(
-        "--chat-template", default=None,
-        help="a Jinja chat template, or the file holding one (default: the model's own)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--max-logprobs", type=int, default=20,
-        help="most top logprobs (logprobs / top_logprobs / prompt_logprobs) a request may ask for",
-    )  # fmt: skip
-    serve.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    serve.add_argument(
-        "--convert", default="auto", choices=["auto", "embed", "classify"],
-        help="serve a causal LM as an embedding model or a classifier",
-    )  # fmt: skip
-    serve.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
-    serve.add_argument("--max-inputs", type=int, default=defaults.max_inputs)
-    serve.add_argument("--max-input-chars", type=int, default=defaults.max_input_chars)
-    serve.add_argument(
-        "--max-waiting-requests", type=int, default=defaults.max_waiting_requests,
-        help="requests queued beyond --max-num-seqs before answering 429",
-    )  # fmt: skip
-    serve.add_argument(
-        "--read-timeout", type=float, default=30.0,
-        help="seconds a client has to send a whole request (headers and body); slower: closed",
-    )  # fmt: skip
-    serve.add_argument(
-        "--keep-alive-timeout", type=float, default=5.0,
-        help="seconds an idle keep-alive connection is kept open",
-    )  # fmt: skip
-    serve.add_argument(
-        "--max-connections", type=int, default=1024,
-        help="open connections (and their requests) at once; more are answered 503",
-    )  # fmt: skip
-    serve.add_argument(
-        "--data-parallel-size", type=int, default=defaults.data_parallel_size,
-        help="engine-core processes, each on its own share of the cores; requests go to the "
-        "least loaded (generation: the one holding the prompt's prefix)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--distributed-executor", default="process", choices=["process", "ray"],
-        help="engine cores as local processes, or as Ray actors on a cluster (zmq over TCP)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--ray-address", default=None,
-        help="the Ray cluster for --distributed-executor ray (default: RAY_ADDRESS or local)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--engine-heartbeat-timeout", type=float, default=defaults.engine_heartbeat_timeout_s,
-        help="seconds without a word from the engine core before /health reports it hung",
-    )  # fmt: skip
-    serve.add_argument(
-        "--max-request-tokens", type=int, default=defaults.max_request_tokens,
-        help="prompt tokens of one request, all its inputs together (more: 400)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--max-response-values", type=int, default=defaults.max_response_values,
-        help="numbers in one pooling response, e.g. token_embed tokens x size (more: 400)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--auto-truncate", action="store_true",
-        help="embedding routes cut inputs longer than the model's limit instead of refusing them",
-    )  # fmt: skip
-    serve.add_argument("--log-level", default="info")
+    EngineArgs.add_cli_args(serve)
+    add_arguments(serve.add_argument_group("server options"), ServerArgs)
     run_batch.add_parser(commands)
     embed.add_parser(commands)
     return parser
@@ -167,7 +161,8 @@ def serve(args: argparse.Namespace) -> int:
     from cenote.server.state import ServerState
 
     options = ServerOptions(
-        host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        host=args.host, port=args.port, api_key=_api_key(args.api_key),
+        max_body_bytes=args.max_body_bytes,
         max_inputs=args.max_inputs, max_input_chars=args.max_input_chars,
         max_waiting_requests=args.max_waiting_requests, auto_truncate=args.auto_truncate,
         max_request_tokens=args.max_request_tokens, max_response_values=args.max_response_values,
@@ -175,7 +170,7 @@ def serve(args: argparse.Namespace) -> int:
         distributed_executor=args.distributed_executor, ray_address=args.ray_address,
         data_parallel_size=args.data_parallel_size, chat_template=_chat_template(args.chat_template),
     )  # fmt: skip
-    state = ServerState(_engine_config(args), options)
+    state = ServerState(EngineArgs.from_cli_args(args).create_engine_config(), options)
     config = uvicorn.Config(
         build_app(state), host=args.host, port=args.port, log_level=args.log_level,
         access_log=False, timeout_graceful_shutdown=None,
@@ -208,24 +203,11 @@ def _chat_template(value: str | None) -> str | None:
         return file.read()
 
 
-def _engine_config(args: argparse.Namespace):
-    from cenote.config import build_engine_config
-
-    return build_engine_config(
-        args.model,
-        dtype=args.dtype,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        hf_overrides=args.hf_overrides,
-        num_threads=args.num_threads,
-        scheduling_policy=args.scheduling_policy,
-        served_model_name=args.served_model_name,
-        seed=args.seed,
-        convert=args.convert,
-        pooler_config=args.pooler_config,
-        max_logprobs=args.max_logprobs,
-    )
+def _api_key(value: str | None) -> str | None:
+    """``--api-key``, else ``CENOTE_API_KEY`` (kept out of ``--help`` and the process list)."""
+    if value is None:
+        value = os.environ.get("CENOTE_API_KEY")
+    return value or None
 
 
 class _Server(uvicorn.Server):

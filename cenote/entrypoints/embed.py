@@ -10,8 +10,11 @@ from cenote.corpus.readers import INPUT_FORMATS
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    from cenote.engine_args import EngineArgs, HelpFormatter
+
     parser = commands.add_parser(
         "embed",
+        formatter_class=HelpFormatter,
         help="embed a corpus into Parquet parts (or .npy), resumably",
         description="Embed every passage of INPUT. OUTPUT is a directory of Parquet part files "
         "(id, embedding, num_tokens) or a .npy file (embeddings; ids in <stem>.ids.parquet). "
@@ -34,10 +37,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--max-tokens-per-batch", type=int, default=None,
         help="the engine's token budget per step (default: max(8192, max_model_len))",
     )  # fmt: skip
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    parser.add_argument("--num-threads", type=int, default=None)
+    EngineArgs.add_cli_args(parser, include=("dtype", "num_threads"))
     parser.add_argument("--no-progress", action="store_true")
     ray = parser.add_argument_group("Ray (pip install 'cenote[ray]')")
     ray.add_argument(

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from cenote.config import PoolerConfig, build_engine_config
 from cenote.engine import scoring
 from cenote.engine.chat import render_chat, special_token_variables
 from cenote.engine.core import EngineCore
 from cenote.engine.input_processor import InputProcessor, PromptType
 from cenote.engine.output_processor import OutputProcessor, RequestFailure
-from cenote.models.registry import ConvertOption
+from cenote.engine_args import EngineArgs, with_engine_args
 from cenote.models.tokenizer import load_chat_template, load_tokenizer
 from cenote.outputs import (
     ClassificationOutput,
@@ -40,46 +40,14 @@ class LLM:
     native bf16 matmuls (AMX / AVX512-bf16), else fp32.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        hf_overrides: dict[str, Any] | None = None,
-        num_threads: int | None = None,
-        enable_prefix_caching: bool = True,
-        block_size: int = 16,
-        kv_cache_memory_bytes: int | None = None,
-        num_gpu_blocks_override: int | None = None,
-        scheduling_policy: str = "fcfs",
-        served_model_name: str | None = None,
-        seed: int = 0,
-        convert: ConvertOption = "auto",
-        pooler_config: PoolerConfig | dict[str, Any] | None = None,
-        max_logprobs: int = 20,
-    ) -> None:
-        self.config = build_engine_config(
-            model,
-            dtype=dtype,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            hf_overrides=hf_overrides,
-            num_threads=num_threads,
-            enable_prefix_caching=enable_prefix_caching,
-            block_size=block_size,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            scheduling_policy=scheduling_policy,
-            served_model_name=served_model_name,
-            seed=seed,
-            convert=convert,
-            pooler_config=pooler_config,
-            max_logprobs=max_logprobs,
-        )
+    @with_engine_args(EngineArgs)
+    def __init__(self, model: str | os.PathLike | None = None, **options: Any) -> None:
+        """``options`` are ``EngineArgs``' fields (``help(EngineArgs)``, ``cenote serve
+        --help``): ``dtype``, ``max_model_len``, ``max_num_batched_tokens``, ``num_threads``...
+        An unknown option is a TypeError listing the valid ones. Nothing else in this process
+        changes: no environment variable, and torch's thread count only when ``num_threads`` is
+        given."""
+        self.config = EngineArgs.from_options(model, options).create_engine_config()
         model_config = self.config.model
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(model_config)

@@ -24,34 +24,32 @@ class BatchSummary:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    from cenote.engine_args import EngineArgs, HelpFormatter
+
     parser = commands.add_parser(
-        "run-batch", help="run an OpenAI batch file (JSONL) through the offline engine"
+        "run-batch",
+        help="run an OpenAI batch file (JSONL) through the offline engine",
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("model", nargs="?", default=None, help="model folder or .gguf file")
-    parser.add_argument("-i", "--input-file", required=True, type=Path)
-    parser.add_argument("-o", "--output-file", required=True, type=Path)
+    parser.add_argument("-i", "--input-file", required=True, type=Path, help="the batch (JSONL)")
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+        "-o", "--output-file", required=True, type=Path, help="one result line per input line"
     )
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"])
-    parser.add_argument("--lines-per-chunk", type=int, default=512)
+    parser.add_argument(
+        "--lines-per-chunk", type=int, default=512, help="lines read and run at a time"
+    )
+    EngineArgs.add_cli_args(parser)
     parser.set_defaults(run=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    from cenote.engine_args import EngineArgs
     from cenote.entrypoints.llm import LLM
 
     if not args.input_file.is_file():
         raise FileNotFoundError(f"cannot read the batch file {args.input_file}: no such file")
-    llm = LLM(
-        args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
-        served_model_name=args.served_model_name, convert=args.convert,
-    )  # fmt: skip
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(engine_args.model, **engine_args.as_options())
     summary = run_batch(llm, args.input_file, args.output_file, args.lines_per_chunk)
     print(
         f"cenote run-batch: {summary.num_lines} lines, {summary.num_failed} failed -> "

@@ -15,7 +15,6 @@ built on the `meta` device. transformers is not imported here; it is only a test
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import importlib.util
 import re
@@ -126,6 +125,10 @@ class GGUFCheckpoint:
     reader: GGUFReader  # the open (memory-mapped) file
     st_config: SentenceTransformerConfig | None = None  # pooling from {arch}.pooling_type
 
+    def __reduce__(self) -> tuple[Any, tuple[Path]]:
+        """Pickled as its path: another process (the engine core) re-opens the file."""
+        return load_gguf, (self.path,)
+
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(hf_name, tensor)` for every weight, dequantized to `dtype`, in file order.
 
@@ -203,12 +206,6 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
         reader=reader,
         st_config=st_config,
     )
-
-
-@functools.lru_cache(maxsize=2)
-def cached_gguf(path: Path) -> GGUFCheckpoint:
-    """``load_gguf`` once per file: config, tokenizer and weights are read from one reader."""
-    return load_gguf(path)
 
 
 def read_field(reader: GGUFReader, key: str, default: Any = None) -> Any:

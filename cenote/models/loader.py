@@ -44,10 +44,8 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) pairs of a folder's safetensors or a GGUF file (dequantized)."""
-    if model_config.gguf_file is not None:
-        from cenote.models.gguf_loader import cached_gguf
-
-        return cached_gguf(model_config.gguf_file).tensors(torch.float32)
+    if model_config.gguf is not None:  # the file opened once, by the config
+        return model_config.gguf.tensors(torch.float32)
     return iterate_weights(model_config.path)
 
 

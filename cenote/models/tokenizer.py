@@ -11,10 +11,8 @@ from cenote.config import ModelConfig
 
 def load_tokenizer(model_config: ModelConfig) -> Tokenizer:
     """tokenizer.json of a folder, or the tokenizer in a GGUF file's metadata."""
-    if model_config.gguf_file is not None:
-        from cenote.models.gguf_loader import cached_gguf
-
-        tokenizer = cached_gguf(model_config.gguf_file).tokenizer
+    if model_config.gguf is not None:  # the file opened once, by the config
+        tokenizer = model_config.gguf.tokenizer
     else:
         path = model_config.path / "tokenizer.json"
         if not path.exists():
@@ -40,10 +38,8 @@ def load_tokenizer_config(model_config: ModelConfig) -> dict:
 
 def load_chat_template(model_config: ModelConfig) -> str | None:
     """The model's chat template: GGUF metadata, tokenizer_config.json or chat_template.jinja."""
-    if model_config.gguf_file is not None:
-        from cenote.models.gguf_loader import cached_gguf
-
-        return cached_gguf(model_config.gguf_file).chat_template
+    if model_config.gguf is not None:
+        return model_config.gguf.chat_template
     template = load_tokenizer_config(model_config).get("chat_template")
     jinja = model_config.path / "chat_template.jinja"
     if template is None and jinja.exists():

