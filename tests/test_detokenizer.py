@@ -7,6 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cenote.sampling.detokenizer import (
     IncrementalDetokenizer,
+    TokenTexts,
     check_stop_strings,
     stop_holdback_len,
 )
@@ -89,6 +90,31 @@ def test_skip_special_tokens(tokenizer: Tokenizer, skip: bool) -> None:
     detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
     text = "".join(stream(detokenizer, token_ids))
     assert text == ("Hello world" if skip else "Hello world" + EOS)
+
+
+def test_finish_flushes_an_incomplete_character(tokenizer: Tokenizer) -> None:
+    token_ids = tokenizer.encode("ok 🐙").ids[:-1]  # the emoji's last byte never comes
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    streamed = "".join(detokenizer.decode_next([t]) for t in token_ids)
+    tail = detokenizer.finish()
+    assert streamed.startswith("ok") and "\ufffd" not in streamed
+    assert streamed + tail == tokenizer.decode(token_ids) and tail.endswith("\ufffd")
+    assert detokenizer.finish() == ""
+
+
+def test_finish_after_complete_text_adds_nothing(tokenizer: Tokenizer) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert detokenizer.decode_next(tokenizer.encode("Hello world").ids) == "Hello world"
+    assert detokenizer.finish() == "" and detokenizer.decode_next([]) == ""
+
+
+def test_token_texts_equal_one_token_decodes(tokenizer: Tokenizer) -> None:
+    token_ids = [*tokenizer.encode(TEXTS[2]).ids, tokenizer.token_to_id(EOS), 5, 5, 10**6]
+    texts = TokenTexts(tokenizer)
+    expected = [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+    assert texts.lookup(token_ids) == expected
+    assert texts.lookup(token_ids[::-1]) == expected[::-1]  # from the cache
+    assert texts.lookup([]) == []
 
 
 def test_stop_string_in_new_delta() -> None:

@@ -21,7 +21,11 @@ from cenote.outputs import (
     PromptLogprobs,
     RequestOutput,
 )
-from cenote.sampling.detokenizer import IncrementalDetokenizer, check_stop_strings
+from cenote.sampling.detokenizer import (
+    IncrementalDetokenizer,
+    TokenTexts,
+    check_stop_strings,
+)
 from cenote.sampling_params import SamplingParams
 
 
@@ -81,6 +85,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # decoded_token of logprobs
         self.states: dict[str, _RequestState] = {}  # by user request id
         self.parent_of: dict[str, str] = {}  # engine request id -> user request id
         self.sampling_params: dict[str, SamplingParams] = {}  # by engine request id
@@ -177,17 +182,17 @@ class OutputProcessor:
         return stopped_by_string
 
     def _logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
-        result = []
+        flat_texts = self.token_texts.lookup([t for ids in lists.token_ids for t in ids])
+        result, start = [], 0
         for ids, values, rank in zip(lists.token_ids, lists.logprobs, lists.ranks, strict=True):
+            texts, start = flat_texts[start : start + len(ids)], start + len(ids)
             entry = {}
-            for position, (token_id, value) in enumerate(zip(ids, values, strict=True)):
-                if token_id in entry:
-                    continue
-                entry[token_id] = Logprob(
-                    logprob=value,
-                    rank=rank if position == 0 else position,
-                    decoded_token=self.tokenizer.decode([token_id], skip_special_tokens=False),
-                )
+            row = zip(ids, values, texts, strict=True)
+            for position, (token_id, value, text) in enumerate(row):
+                if token_id not in entry:
+                    entry[token_id] = Logprob(
+                        logprob=value, rank=rank if position == 0 else position, decoded_token=text
+                    )
             result.append(entry)
         return result
 

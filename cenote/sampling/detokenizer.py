@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 # How many prompt tokens seed the decode window (enough context for leading-space rules).
 INITIAL_PREFIX_TOKENS = 5
-REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
@@ -19,9 +19,10 @@ class IncrementalDetokenizer:
     with the leading-space rule resolved as if the prompt preceded the output. Text whose last
     character is an incomplete UTF-8 sequence (U+FFFD) is held back until the bytes complete.
 
-    Technique: decode a short window ``ids[prefix_offset:]`` and subtract the already emitted
-    ``ids[prefix_offset:read_offset]`` text, so context-dependent decoding (spaces, merged
-    bytes) is right without re-decoding the whole sequence.
+    The stepping is ``tokenizers``' own ``DecodeStream`` (Rust), seeded with the prompt's last
+    ``INITIAL_PREFIX_TOKENS`` tokens. ``DecodeStream`` never gives up held-back bytes, so
+    :meth:`finish` decodes the held-back tokens itself (after the last emitted ones, for
+    context), as a final window.
     """
 
     def __init__(
@@ -33,32 +34,34 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer  # a `tokenizers.Tokenizer`
         self.skip_special_tokens = skip_special_tokens  # drop special tokens from the text
         context = list(prompt_token_ids or [])[-INITIAL_PREFIX_TOKENS:]
-        self.token_ids: list[int] = context  # decode context: prompt tail + output so far
-        self.prefix_offset = 0  # start of the decode window in token_ids
-        self.read_offset = len(context)  # tokens before this are already emitted as text
+        self._stream = DecodeStream(context, skip_special_tokens=skip_special_tokens)
+        self._emitted_tail = context  # the last tokens whose text is emitted (finish's context)
+        self._held: list[int] = []  # tokens given since the last emitted text
         self.output_text = ""  # all text emitted so far
 
     def decode_next(self, new_token_ids: list[int]) -> str:
         """Append ``new_token_ids`` and return the newly completed text (maybe ``""``)."""
-        self.token_ids.extend(new_token_ids)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        if not new_token_ids:
             return ""
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        self._held.extend(new_token_ids)
+        delta = self._stream.step(self.tokenizer, new_token_ids)
+        if delta is None:
+            return ""
+        self._emitted_tail = (self._emitted_tail + self._held)[-INITIAL_PREFIX_TOKENS:]
+        self._held = []
         self.output_text += delta
         return delta
 
     def finish(self) -> str:
         """Flush held-back text (e.g. a trailing incomplete character) at the end of output."""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if not self._held:
+            return ""
+        prefix_text = self._decode(self._emitted_tail)
+        new_text = self._decode(self._emitted_tail + self._held)
+        self._emitted_tail, self._held = [], []
         if len(new_text) <= len(prefix_text):
             return ""
         delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset = len(self.token_ids)
         self.output_text += delta
         return delta
 
@@ -66,6 +69,23 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+class TokenTexts:
+    """Each token's own text, special tokens kept (the ``decoded_token`` of logprobs entries):
+    the ids not seen before are decoded in one batch call, then remembered (at most one string
+    per vocabulary entry)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}  # token id -> its text
+
+    def lookup(self, token_ids: list[int]) -> list[str]:
+        missing = list({t for t in token_ids if t not in self._texts})
+        if missing:
+            texts = self.tokenizer.decode_batch([[t] for t in missing], skip_special_tokens=False)
+            self._texts.update(zip(missing, texts, strict=True))
+        return [self._texts[t] for t in token_ids]
 
 
 class StopMatch(NamedTuple):
