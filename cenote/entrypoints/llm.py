@@ -41,7 +41,7 @@ class LLM:
     """
 
     @with_engine_args(EngineArgs)
-    def __init__(self, model: str | os.PathLike | None = None, **options: Any) -> None:
+    def __init__(self, model: str | os.PathLike[str] | None = None, **options: Any) -> None:
         """``options`` are ``EngineArgs``' fields (``help(EngineArgs)``, ``cenote serve
         --help``): ``dtype``, ``max_model_len``, ``max_num_batched_tokens``, ``num_threads``...
         An unknown option is a TypeError listing the valid ones. Nothing else in this process
