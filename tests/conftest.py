@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import PARITY_TEXTS
+from factories.texts import PARITY_TEXTS
 
 from cenote import LLM
 

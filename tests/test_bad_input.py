@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import NUM_THREADS
-from factories import PARITY_TEXTS, make_encoder, random_prompts
+from factories.encoders import make_encoder
+from factories.texts import PARITY_TEXTS, random_prompts
 
 from cenote import LLM, PoolingParams
 from cenote.errors import InvalidInputError, UnknownArchitectureError

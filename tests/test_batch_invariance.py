@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from factories import PARITY_TEXTS, embed_matrix
+from factories.texts import PARITY_TEXTS, embed_matrix
 
 MAX_ABS_DIFF_FP32 = 1e-5  # DESIGN.md §3
 NUM_TEXTS = 64

@@ -13,14 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import NUM_THREADS
-from factories import (
-    ENCODER_FAMILIES,
-    ST_POOLING_MODES,
-    TINY_MAX_POSITIONS,
-    make_encoder,
-    random_prompts,
-    with_st_pooling,
-)
+from factories.encoders import ENCODER_FAMILIES, TINY_MAX_POSITIONS, make_encoder
+from factories.st_folders import ST_POOLING_MODES, with_st_pooling
+from factories.texts import random_prompts
 
 from cenote import LLM, PoolingParams
 
@@ -68,7 +63,7 @@ def _token_prompts(prompts: list[list[int]]) -> list[dict]:
 def test_max_model_len_accounts_for_position_offset(family: Family) -> None:
     llm = LLM(str(family.path), dtype="float32", num_threads=NUM_THREADS)
     assert llm.config.model.max_model_len == max(_lengths(family.name))
-    assert llm.config.model.architecture == ENCODER_FAMILIES[family.name][1]
+    assert llm.config.model.architecture == ENCODER_FAMILIES[family.name][0] + "Model"
 
 
 def test_all_tokens_match_last_hidden_state(family: Family) -> None:
@@ -119,7 +114,7 @@ def test_normalize_module_and_default_pooling(family: Family, tmp_path: Path) ->
 def test_text_prompts_use_the_folder_tokenizer(family: Family) -> None:
     llm = LLM(str(family.path), dtype="float32", num_threads=NUM_THREADS)
     (out,) = llm.encode("w7 w8 w9", PoolingParams(normalize=False), pooling_task="token_embed")
-    specials = ENCODER_FAMILIES[family.name][3]
+    specials = ENCODER_FAMILIES[family.name][2]
     cls_id, sep_id = (2, 3) if specials[0] == "[PAD]" else (0, 2)
     assert out.prompt_token_ids == [cls_id, 7, 8, 9, sep_id]
     with torch.no_grad():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import NUM_THREADS
-from factories import PARITY_TEXTS, embed_matrix
+from factories.texts import PARITY_TEXTS, embed_matrix
 
 from cenote import LLM
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gen_factories import make_decoder, make_llm, random_prompts, token_prompts
+from factories.decoders import make_decoder
+from factories.generation import make_llm, random_prompts, token_prompts
 
 from cenote import PoolingParams
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from pool_factories import make_decoder, make_encoder_classifier
+from factories.decoders import make_pooling_decoder
+from factories.encoders import make_encoder_classifier
 
 from cenote import LLM, PoolingParams
 from cenote.errors import InvalidInputError, UnsupportedTaskError
@@ -78,7 +79,7 @@ def test_token_classifier_matches_transformers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
 def test_decoder_classifier_and_reward_match_transformers(variant: str, tmp_path: Path) -> None:
-    ref = make_decoder(tmp_path, variant, "ForSequenceClassification", num_labels=2)
+    ref = make_pooling_decoder(tmp_path, variant, "ForSequenceClassification", num_labels=2)
     llm = _llm(tmp_path)
     inputs = [{"prompt_token_ids": ids} for ids in PROMPTS]
     classified = llm.classify(inputs)

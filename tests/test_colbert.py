@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import NUM_THREADS
-from retrieval_factories import BERT_SPECIALS, TEXTS, VOCAB_SIZE, perturb, write_tokenizer
+from factories.encoder_zoo import TEXTS
+from factories.seeded import perturb
+from factories.vocab import RETRIEVAL_BERT_SPECIALS, VOCAB_SIZE, write_retrieval_tokenizer
 from safetensors.torch import save_file
 
 from cenote import LLM, PoolingParams
@@ -93,7 +95,7 @@ def save_colbert(folder: Path, attend_to_mask_tokens: bool, seed: int = 0):
     save_file({**tensors, "linear.weight": linear}, folder / "model.safetensors")
     config.architectures = ["HF_ColBERT"]
     config.save_pretrained(folder)
-    write_tokenizer(folder, BERT_SPECIALS, token_types=True)
+    write_retrieval_tokenizer(folder, RETRIEVAL_BERT_SPECIALS, token_types=True)
     metadata = {
         "query_token_id": "[unused0]",
         "doc_token_id": "[unused1]",

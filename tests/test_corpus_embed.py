@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
-from corpus_factories import LONG_TEXT, corpus, embed_job, read_output, write_jsonl
+from factories.corpus import LONG_TEXT, corpus, embed_job, read_output, write_jsonl
 
 from cenote.corpus.readers import CorpusError, open_source, read_chunks
 

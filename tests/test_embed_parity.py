@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from factories import PARITY_TEXTS, embed_matrix
+from factories.texts import PARITY_TEXTS, embed_matrix
 
 MIN_COSINE_FP32 = 0.9999  # DESIGN.md §3
 

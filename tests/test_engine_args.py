@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import NUM_THREADS
-from factories import make_encoder
+from factories.encoders import make_encoder
 
 from cenote import LLM
 from cenote.engine.core_launcher import CORE_ENVIRONMENT, child_environment

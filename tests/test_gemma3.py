@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from factories import random_prompts as random_ids
-from gen_factories import hf_greedy, make_llm, random_prompts, token_prompts, write_word_tokenizer
+from factories.decoders import save_generation_decoder
+from factories.generation import hf_greedy, make_llm, random_prompts, token_prompts
+from factories.seeded import perturb, random_model
+from factories.texts import random_prompts as random_ids
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from cenote import PoolingParams, SamplingParams
@@ -61,25 +63,10 @@ CAUSAL_VARIANTS: dict[str, dict] = {
 }
 
 
-def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Noise on every parameter (the zero-centred norm weights too), so misplaced weights show."""
-    torch.manual_seed(seed)
-    model = model.float().eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    return model
-
-
 def make_gemma3_causal(folder: Path, seed: int = 0, **overrides) -> torch.nn.Module:
+    """Noise on every parameter (the zero-centred norm weights too), so misplaced weights show."""
     config = transformers.Gemma3TextConfig(**{**_SMALL, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(config)
-    model = _perturbed(model, seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    write_word_tokenizer(folder)
-    return model
+    return save_generation_decoder(folder, random_model("Gemma3ForCausalLM", config, seed))
 
 
 @pytest.fixture(scope="module", params=sorted(CAUSAL_VARIANTS))
@@ -289,7 +276,7 @@ def make_gemma3_encoder(folder: Path, bidirectional: bool, seed: int = 0) -> tor
         sliding_window=6,
         use_bidirectional_attention=bidirectional,
     )
-    model = _perturbed(transformers.Gemma3TextModel(config), seed)
+    model = perturb(transformers.Gemma3TextModel(config), seed)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     write_gemma_tokenizer(folder, config.vocab_size)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from gen_factories import make_decoder, make_llm, random_prompts, token_prompts
+from factories.decoders import make_decoder
+from factories.generation import make_llm, random_prompts, token_prompts
 
 from cenote import SamplingParams
 from cenote.errors import InvalidInputError

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gen_factories import (
-    DECODER_FAMILIES,
+from factories.decoders import DECODER_FAMILIES, make_decoder
+from factories.generation import (
     hf_greedy,
     hf_log_softmax,
-    make_decoder,
     make_llm,
     random_prompts,
     smollm2_hf,

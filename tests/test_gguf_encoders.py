@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import NUM_THREADS
-from factories import random_prompts
-from gguf_factories import write_encoder_gguf
-from retrieval_factories import TEXTS, make_nomic_bert, save_sentence_transformer
+from factories.encoder_zoo import TEXTS, make_nomic_bert
+from factories.gguf import write_and_close, write_encoder_gguf
+from factories.st_folders import save_sentence_transformer
+from factories.texts import random_prompts
 from tokenizers import Tokenizer
 
 from cenote import LLM, PoolingParams
@@ -118,7 +119,7 @@ def nomic(tmp_path_factory: pytest.TempPathFactory):
     """(GGUF file, sentence-transformers folder, transformers model) of one tiny NomicBERT."""
     root = tmp_path_factory.mktemp("nomic_gguf")
     reference = make_nomic_bert(root / "trunk", seed=5)
-    st_folder = save_sentence_transformer(root / "trunk", root / "st", "mean")
+    st_folder = save_sentence_transformer(root / "trunk", root / "st", "mean", max_seq_length=64)
     path = write_encoder_gguf(root / "trunk", root / "nomic.gguf", gguf.MODEL_ARCH.NOMIC_BERT)
     return path, st_folder, reference
 
@@ -177,10 +178,7 @@ def _rewrite(source: Path, target: Path, **changes) -> Path:
         writer.add_tensor(tensor.name, tensor.data, raw_shape=shape, raw_dtype=tensor.tensor_type)
     for name, array in extra.items():
         writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_and_close(writer)
     return target
 
 

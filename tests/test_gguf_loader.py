@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories.generation import smollm2_path
 
 from cenote.models.gguf_loader import (
     GGUFCheckpoint,
     GGUFError,
-    find_smollm2_gguf,
     hf_tensor_name,
     load_gguf,
     unpermute_rotary,
@@ -33,10 +33,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    try:
-        return find_smollm2_gguf()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
+    return smollm2_path()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from zoo_factories import make_model, save_sentence_transformer
+from factories.encoders import make_model
+from factories.st_folders import save_sentence_transformer
 
 from cenote import LLM, PoolingParams
 

@@ -5,14 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gen_factories import (
-    DECODER_FAMILIES,
-    make_decoder,
-    make_llm,
-    random_prompts,
-    record_steps,
-    token_prompts,
-)
+from factories.decoders import DECODER_FAMILIES, make_decoder
+from factories.generation import make_llm, random_prompts, record_steps, token_prompts
 
 from cenote import PoolingParams, SamplingParams
 from cenote.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput

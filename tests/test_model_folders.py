@@ -13,8 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from factories import random_prompts, write_word_tokenizer
-from pool_factories import ENCODERS, write_tokenizer
+from factories.encoders import TINY_ENCODER
+from factories.seeded import hf_config, random_model
+from factories.texts import random_prompts
+from factories.vocab import BERT_SPECIALS, write_encoder_tokenizer_json, write_tokenizer
 
 from cenote import LLM, PoolingParams
 from cenote.outputs import EmbeddingOutput
@@ -22,29 +24,12 @@ from cenote.outputs import EmbeddingOutput
 NUM_THREADS = 2
 ATOL = 1e-4  # DESIGN.md §3: hidden states vs transformers, fp32
 MIN_COSINE_FP32 = 0.9999  # DESIGN.md §3: embeddings vs sentence-transformers, fp32
-BERT_SPECIALS = ENCODERS["bert"][1]
-_BERT = dict(
-    vocab_size=128,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    max_position_embeddings=128,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    pad_token_id=0,
-)
+_BERT = dict(TINY_ENCODER, pad_token_id=0)
 
 
 def _random_bert(seed: int, **overrides) -> transformers.BertModel:
     """A seeded BertModel with noise on every parameter, so a misplaced weight shows."""
-    torch.manual_seed(seed)
-    model = transformers.BertModel(transformers.BertConfig(**{**_BERT, **overrides}))
-    model = model.float().eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    return model
+    return random_model("BertModel", hf_config("BertConfig", _BERT, overrides), seed)
 
 
 # ---- 1. sharded safetensors -----------------------------------------------------------------
@@ -55,7 +40,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("sharded")
     model = _random_bert(3, hidden_size=64, intermediate_size=128)
     model.save_pretrained(folder, max_shard_size="100KB")
-    write_word_tokenizer(folder, BERT_SPECIALS, _BERT["vocab_size"])
+    write_encoder_tokenizer_json(folder, BERT_SPECIALS, _BERT["vocab_size"])
     return folder, model
 
 
@@ -179,7 +164,7 @@ def test_sentence_transformer_with_dense_and_default_prompt(st_folder: Path) -> 
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("priority")
     _random_bert(11).save_pretrained(folder)
-    write_word_tokenizer(folder, BERT_SPECIALS, _BERT["vocab_size"])
+    write_encoder_tokenizer_json(folder, BERT_SPECIALS, _BERT["vocab_size"])
     return folder
 
 
@@ -279,7 +264,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path: Path) -> None:
     import json
 
     _random_bert(5).save_pretrained(tmp_path)
-    write_word_tokenizer(tmp_path, BERT_SPECIALS, _BERT["vocab_size"])
+    write_encoder_tokenizer_json(tmp_path, BERT_SPECIALS, _BERT["vocab_size"])
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     with pytest.raises(ValueError, match=r"intermediate.dense.* has shape \(64.*expects \(96"):

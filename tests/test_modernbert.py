@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import NUM_THREADS
-from factories import random_prompts
-from retrieval_factories import TEXTS, make_modernbert, save_sentence_transformer
+from factories.encoder_zoo import TEXTS, make_modernbert
+from factories.st_folders import save_sentence_transformer
+from factories.texts import random_prompts
 
 from cenote import LLM, PoolingParams
 from cenote.errors import UnknownArchitectureError
@@ -81,7 +82,9 @@ def test_batch_invariance(trunk_llm) -> None:
 def test_embeddings_match_sentence_transformers(trunk, tmp_path: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
-    folder = save_sentence_transformer(trunk[0], tmp_path / "st", "mean", [(32, 16, True)])
+    folder = save_sentence_transformer(
+        trunk[0], tmp_path / "st", "mean", dense=[(32, 16, True)], max_seq_length=64
+    )
     torch.set_num_threads(NUM_THREADS)
     expected = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True)
     llm = LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from factories import random_prompts
+from factories.encoders import make_model
+from factories.st_folders import save_cross_encoder, save_sentence_transformer
+from factories.texts import random_prompts
 from safetensors.torch import load_file, save_file
-from zoo_factories import make_model, save_cross_encoder, save_sentence_transformer
 
 from cenote import LLM, PoolingParams
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import NUM_THREADS
-from factories import random_prompts
-from retrieval_factories import TEXTS, make_nomic_bert, save_sentence_transformer
+from factories.encoder_zoo import TEXTS, make_nomic_bert
+from factories.st_folders import save_sentence_transformer
+from factories.texts import random_prompts
 from safetensors.torch import load_file, save_file
 
 from cenote import LLM, PoolingParams
@@ -124,7 +125,7 @@ def test_batch_invariance(trunk) -> None:
 def test_embeddings_match_sentence_transformers(trunk, tmp_path: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
-    folder = save_sentence_transformer(trunk[0], tmp_path / "st", "mean")
+    folder = save_sentence_transformer(trunk[0], tmp_path / "st", "mean", max_seq_length=64)
     torch.set_num_threads(NUM_THREADS)
     expected = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True)
     llm = LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)

@@ -4,7 +4,8 @@ prefill (a small token budget) give the same tokens and logprobs as a roomy engi
 from __future__ import annotations
 
 import pytest
-from gen_factories import make_decoder, make_llm, random_prompts, record_steps, token_prompts
+from factories.decoders import make_decoder
+from factories.generation import make_llm, random_prompts, record_steps, token_prompts
 
 from cenote import SamplingParams
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from corpus_factories import LONG_TEXT, corpus, embed_job, read_output, write_jsonl
+from factories.corpus import LONG_TEXT, corpus, embed_job, read_output, write_jsonl
 from server_fixture import free_port
 
 from cenote.corpus.readers import open_source
@@ -126,8 +126,9 @@ def test_corpus_job_on_ray_equals_single_process(ray_cluster, llm_fp32, tmp_path
 
 
 def test_score_classify_generate_in_map_batches(ray_cluster, llm_fp32, tmp_path):
-    from gen_factories import make_decoder, make_llm
-    from pool_factories import make_encoder_classifier
+    from factories.decoders import make_decoder
+    from factories.encoders import make_encoder_classifier
+    from factories.generation import make_llm
 
     import cenote.ray
     from cenote.sampling_params import SamplingParams

@@ -10,7 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from pool_factories import VOCAB_SIZE, make_decoder
+from factories.decoders import make_pooling_decoder
+from factories.vocab import VOCAB_SIZE
 from tokenizers import Tokenizer
 
 from cenote import LLM, PoolingParams
@@ -28,7 +29,7 @@ PROMPTS = [
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def causal(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp(request.param)
-    reference = make_decoder(folder, request.param, "ForCausalLM")
+    reference = make_pooling_decoder(folder, request.param, "ForCausalLM")
     return folder, reference
 
 

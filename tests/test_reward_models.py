@@ -10,7 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from pool_factories import VOCAB_SIZE, make_qwen2_reward, set_config
+from factories.decoders import make_qwen2_reward
+from factories.seeded import set_config
+from factories.vocab import VOCAB_SIZE
 
 from cenote import LLM, PoolingParams
 from cenote.errors import InvalidInputError, UnsupportedTaskError

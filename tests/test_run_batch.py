@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from gen_factories import make_decoder, make_llm
+from factories.decoders import make_decoder
+from factories.generation import make_llm
 
 from cenote.entrypoints.run_batch import run_batch
 from cenote.sampling_params import SamplingParams

@@ -4,7 +4,8 @@ max_tokens and min_tokens."""
 from __future__ import annotations
 
 import pytest
-from gen_factories import make_decoder, make_llm, random_prompts, token_prompts
+from factories.decoders import make_decoder
+from factories.generation import make_llm, random_prompts, token_prompts
 
 from cenote import SamplingParams
 

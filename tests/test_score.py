@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pool_factories import make_encoder_classifier, set_config
+from factories.encoders import make_encoder_classifier
+from factories.seeded import set_config
 
 from cenote import LLM
 from cenote.errors import InvalidInputError

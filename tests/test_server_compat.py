@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.gen_factories import smollm2_path
+from tests.factories.generation import smollm2_path
 from tests.server_fixture import ServerProcess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.gen_factories import make_decoder
+from tests.factories.decoders import make_decoder
 from tests.server_fixture import ServerProcess
 
 

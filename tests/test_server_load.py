@@ -14,7 +14,7 @@ import random
 import httpx
 import pytest
 import torch
-from factories import PROSE
+from factories.texts import PROSE
 
 from cenote import LLM, SamplingParams
 

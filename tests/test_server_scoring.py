@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pool_factories import make_encoder_classifier
+from factories.encoders import make_encoder_classifier
 
 from cenote import LLM
 from tests.server_fixture import ServerProcess

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from gen_factories import hf_greedy, random_prompts
+from factories.generation import hf_greedy, random_prompts
 from server_fixture import ServerProcess
 from test_sliding_window import make_sliding_decoder
 

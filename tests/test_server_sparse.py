@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from factories.encoders import make_model
+from factories.st_folders import save_sparse_encoder
 from server_fixture import ServerProcess
-from zoo_factories import make_model, save_sparse_encoder
 
 from cenote import LLM
 

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from cenote import LLM
-from tests.pool_factories import make_encoder_classifier
+from tests.factories.encoders import make_encoder_classifier
 from tests.server_fixture import ServerProcess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -127,7 +127,7 @@ def test_classifier_without_id2label_names_labels_as_transformers(tmp_path: Path
 
 @pytest.fixture(scope="module")
 def smol():
-    from tests.gen_factories import smollm2_path
+    from tests.factories.generation import smollm2_path
 
     server = ServerProcess(
         str(smollm2_path()), "--dtype", "float32", "--num-threads", "1", "--max-model-len", "256"

@@ -10,15 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from gen_factories import (
-    hf_greedy,
-    make_llm,
-    random_prompts,
-    record_steps,
-    token_prompts,
-    write_word_tokenizer,
-)
+from factories.decoders import GENERATION_DECODER, save_generation_decoder
+from factories.generation import hf_greedy, make_llm, random_prompts, record_steps, token_prompts
+from factories.seeded import hf_config, random_model
 
 from cenote import SamplingParams
 from cenote.config import ModelConfig
@@ -31,19 +25,7 @@ from cenote.scheduler.request import Request
 ATOL = 1e-4  # DESIGN.md §3: logits vs transformers, fp32
 WINDOW = 5
 BLOCK_SIZE = 4
-_SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
+_SMALL = dict(GENERATION_DECODER, tie_word_embeddings=False)
 # name -> (config class, causal-LM class, overrides); qwen2_mixed slides layer 1 only
 VARIANTS: dict[str, tuple[str, str, dict]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
@@ -58,16 +40,8 @@ VARIANTS: dict[str, tuple[str, str, dict]] = {
 def make_sliding_decoder(folder: Path, variant: str, seed: int = 0, **extra) -> torch.nn.Module:
     """Save a seeded random fp32 sliding-window decoder + word tokenizer; returns it."""
     config_class, model_class, overrides = VARIANTS[variant]
-    config = getattr(transformers, config_class)(**{**_SMALL, **overrides, **extra})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(config).float().eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    write_word_tokenizer(folder)
-    return model
+    config = hf_config(config_class, _SMALL, overrides, extra)
+    return save_generation_decoder(folder, random_model(model_class, config, seed))
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from factories import random_prompts
+from factories.encoders import make_model
+from factories.st_folders import save_sparse_encoder
+from factories.texts import random_prompts
 from safetensors.torch import load_file, save_file
-from zoo_factories import make_model, save_sparse_encoder
 
 from cenote import LLM, PoolingParams
 from cenote.errors import InvalidInputError, UnsupportedTaskError

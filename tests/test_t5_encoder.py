@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import NUM_THREADS
-from factories import random_prompts
-from retrieval_factories import TEXTS, make_t5_encoder, save_sentence_transformer
+from factories.encoder_zoo import TEXTS, make_t5_encoder
+from factories.st_folders import save_sentence_transformer
+from factories.texts import random_prompts
 
 from cenote import LLM, PoolingParams
 
@@ -69,7 +70,9 @@ def test_sentence_t5_matches_sentence_transformers(encoder, tmp_path: Path) -> N
     from sentence_transformers import SentenceTransformer
 
     folder, _, _ = encoder
-    st_folder = save_sentence_transformer(folder, tmp_path / "st", "mean", [(32, 24, False)])
+    st_folder = save_sentence_transformer(
+        folder, tmp_path / "st", "mean", dense=[(32, 24, False)], max_seq_length=64
+    )
     modules = json.loads((st_folder / "modules.json").read_text())
     assert [m["type"].rsplit(".", 1)[-1] for m in modules] == [
         "Transformer", "Pooling", "Dense", "Normalize",

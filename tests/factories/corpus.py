@@ -1,4 +1,4 @@
-"""Test helpers for corpus jobs: a deterministic corpus, the job on the session's engine, and
+"""Corpus jobs: a deterministic corpus, the job on the session's engine, and
 reading a job's output back."""
 
 from __future__ import annotations

@@ -82,8 +82,13 @@ def write_encoder_gguf(
         if f16 and not name.startswith(_F32_TENSORS):
             data = data.astype(np.float16)
         writer.add_tensor(name, data)
+    write_and_close(writer)
+    return out
+
+
+def write_and_close(writer: gguf.GGUFWriter) -> None:
+    """Header, key-values and tensors to the writer's file, in the order GGUF lays them out."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
