@@ -98,6 +98,7 @@ class ModelConfig:
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)  # user pooling overrides
     max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's default)
     # weight format: auto (a GGUF's quantized tensors stay quantized), none, int8, int4
+    quantization: str = "auto"
     # The opened GGUF file (None for a folder): its config, tokenizer, chat template and tensors
     # all come from this one reader. Crossing a process it travels as its path (re-opened there).
     gguf: GGUFCheckpoint | None = field(default=None, compare=False, repr=False)

@@ -11,6 +11,7 @@ value goes in the tree.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import inspect
 import json
@@ -150,6 +151,13 @@ class EngineArgs:
     max_logprobs: int = option(
         20, "most top logprobs (logprobs / top_logprobs / prompt_logprobs) a request may ask for"
     )
+    quantization: Literal["auto", "none", "int8", "int4"] = option(
+        "auto",
+        "weight format of the linear layers. auto: a GGUF's quantized tensors stay quantized "
+        "(4/8 bits + group scales, multiplied by a fused kernel), folders stay dense; none: "
+        "dense; int8 / int4: weight-only quantization of a folder's linear layers (groups of "
+        "32) at load",
+    )
     seed: int = option(
         0,
         "kept for vLLM compatibility; a request without its own seed samples from torch's "
@@ -215,6 +223,7 @@ class EngineArgs:
             self.convert,
             self.max_logprobs,
         )
+        model_config = dataclasses.replace(model_config, quantization=self.quantization)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = max(_MIN_TOKEN_BUDGET, model_config.max_model_len)

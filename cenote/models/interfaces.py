@@ -98,3 +98,15 @@ class PostLoad(Protocol):
     """A model with work to do once its weights are loaded and cast (e.g. pack the LM head)."""
 
     def post_load(self) -> None: ...
+
+
+@runtime_checkable
+class QuantizedLoading(Protocol):
+    """A model that can keep a GGUF's quantized tensors quantized (cenote/models/layers/quant.py):
+    ``prepare_quantized`` empties the modules whose checkpoint tensors all come quantized (on the
+    meta device, before allocation), ``load_weights`` takes ``QuantizedWeight``s for them and
+    ``finish_quantized`` swaps in the quantized modules."""
+
+    def prepare_quantized(self, names: set[str]) -> None: ...
+
+    def finish_quantized(self, dtype: torch.dtype) -> None: ...

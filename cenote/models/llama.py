@@ -22,6 +22,7 @@ from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
 from cenote.models.layers.norm import RMSNorm
+from cenote.models.layers.quant import QuantEmbedding, QuantizedWeight, QuantLinear, quant_linear
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
 from cenote.models.sliding_window import kv_free_window, layer_windows
 from cenote.models.weights import copy_weight
@@ -199,20 +200,71 @@ class LlamaDecoder(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions)  # [num_tokens, hidden]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def prepare_quantized(self, names: set[str]) -> None:
+        """Called on the meta device, before weights are allocated: the linear layers and the
+        embedding table whose checkpoint tensors all come quantized (``names``, Hugging Face
+        names) drop their dense weight; ``load_weights`` collects their ``QuantizedWeight``s and
+        ``finish_quantized`` swaps in ``QuantLinear`` / ``QuantEmbedding``."""
+        shards: dict[str, set[str | None]] = {}
+        for name in names:
+            our_name, shard = self._map_name(name)
+            module_name, _, leaf = our_name.rpartition(".")
+            if leaf == "weight":
+                shards.setdefault(module_name, set()).add(shard)
+        self._quantized_parts: dict[str, dict[str | None, QuantizedWeight]] = {}
+        for module_name, got in shards.items():
+            try:
+                module = self.get_submodule(module_name)
+            except AttributeError:
+                continue  # e.g. an lm_head this model does not have
+            expected = set(_FUSED.get(module_name.rsplit(".", 1)[-1], (None,)))
+            if got == expected and isinstance(module, (nn.Linear, nn.Embedding)):
+                del module._parameters["weight"]
+                self._quantized_parts[module_name] = {}
+
+    def finish_quantized(self, dtype: torch.dtype) -> None:
+        """Swap the modules ``prepare_quantized`` emptied for their quantized versions."""
+        for module_name, parts in getattr(self, "_quantized_parts", {}).items():
+            parent_name, _, child = module_name.rpartition(".")
+            parent = self.get_submodule(parent_name) if parent_name else self
+            module = getattr(parent, child)
+            order = _FUSED.get(child, (None,))
+            if set(parts) != set(order):
+                raise ValueError(f"{module_name}: checkpoint lacks quantized shards of it")
+            if isinstance(module, nn.Embedding):
+                replacement: nn.Module = QuantEmbedding(parts[None], dtype)
+            else:
+                bias = module.bias.to(dtype) if module.bias is not None else None
+                replacement = QuantLinear([parts[shard] for shard in order], bias)
+            setattr(parent, child, replacement)
+        self._quantized_parts = {}
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+    ) -> set[str]:
         """Copy checkpoint tensors into the module; returns the names of our parameters loaded.
 
         Fused shards are reported as ``"<param>[<shard>]"``. Raises on a checkpoint tensor this
         model has no place for (other than RoPE buffers and an unused ``lm_head``).
+        ``QuantizedWeight``s go to the modules ``prepare_quantized`` chose.
         """
         params = dict(self.named_parameters())
+        quantized = getattr(self, "_quantized_parts", {})
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
+            our_name, shard = self._map_name(name)
+            module_name = our_name.rpartition(".")[0]
+            if isinstance(tensor, QuantizedWeight):
+                if module_name not in quantized:
+                    if name == "lm_head.weight":
+                        continue
+                    raise ValueError(f"quantized tensor {name!r} has no quantized place here")
+                quantized[module_name][shard] = tensor
+                continue
             if name == "lm_head.weight" and name not in params:
                 continue  # tied embeddings, or a classifier converted from a causal LM
-            our_name, shard = self._map_name(name)
             if our_name not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
@@ -256,14 +308,27 @@ class LlamaForCausalLM(LlamaDecoder):
 
     def post_load(self) -> None:
         """Prepack the LM head (tied or not) in the runtime dtype: the costliest matmul of a
-        decode step."""
-        self._lm_head_packed = pack_weight(self._lm_head_weight())
+        decode step. A quantized head stays quantized."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        self._lm_head_quantized: QuantizedWeight | None = None
+        self._lm_head_packed = None
+        if isinstance(head, QuantEmbedding):
+            self._lm_head_quantized = head.weight_q
+        elif isinstance(head, QuantLinear) and len(head.parts) == 1:
+            self._lm_head_quantized = head.parts[0]
+        elif not isinstance(head, QuantLinear):
+            self._lm_head_packed = pack_weight(self._lm_head_weight())
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 logits ``[N, vocab]`` (matmul in the model dtype)."""
+        quantized = getattr(self, "_lm_head_quantized", None)
+        if quantized is not None:
+            return quant_linear(hidden, quantized, None).float()
+        if isinstance(self.lm_head, QuantLinear):
+            return self.lm_head(hidden).float()
         packed = getattr(self, "_lm_head_packed", None)
         return packed_linear(hidden, self._lm_head_weight(), packed, None).float()
 
@@ -313,15 +378,19 @@ class LlamaForSequenceClassification(LlamaDecoder):
         """``hidden [N, hidden]`` -> fp32 scores ``[N, num_labels]`` (the head runs in fp32)."""
         return F.linear(hidden.float(), self.score.weight.float())
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+    ) -> set[str]:
         if self.from_token_ids is None:
             return super().load_weights(weights)
         sources: dict[str, torch.Tensor] = {}
 
-        def trunk_weights() -> Iterable[tuple[str, torch.Tensor]]:
+        def trunk_weights() -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
             for name, tensor in weights:
                 if name in ("lm_head.weight", "model.embed_tokens.weight"):
-                    sources[name] = tensor
+                    sources[name] = (
+                        tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor
+                    )
                 if name != "lm_head.weight":
                     yield name, tensor
 

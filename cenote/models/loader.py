@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,9 +12,13 @@ from safetensors import safe_open
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.models.interfaces import PostLoad
+from cenote.kernels import quant_ops
+from cenote.models.interfaces import PostLoad, QuantizedLoading
 from cenote.models.layers.linear import prepack_trunk
+from cenote.models.layers.quant import QuantizedWeight, quantize_trunk
 from cenote.models.registry import load_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -42,20 +47,31 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) pairs of a folder's safetensors or a GGUF file (dequantized)."""
-    if model_config.gguf is not None:  # the file opened once, by the config
-        return model_config.gguf.tensors(torch.float32)
+def model_weights(
+    model_config: ModelConfig, *, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(Hugging Face name, tensor) pairs of a folder's safetensors or a GGUF file (dequantized,
+    or with ``keep_quantized`` its quantized tensors as ``QuantizedWeight``s)."""
+    if model_config.gguf is not None:
+        return model_config.gguf.tensors(torch.float32, keep_quantized=keep_quantized)
     return iterate_weights(model_config.path)
 
 
 def load_model(model_config: ModelConfig) -> nn.Module:
-    """The trunk of ``model_config`` with its weights, in eval mode, in the runtime dtype."""
+    """The trunk of ``model_config`` with its weights, in eval mode, in the runtime dtype.
+
+    A GGUF's quantized tensors stay quantized where the model supports it and the kernel is
+    available (``quantization="auto"``), and a folder's linear layers are quantized when asked
+    (``"int8"`` / ``"int4"``); see cenote/models/layers/quant.py."""
     model_class = load_model_class(model_config.architecture)
     with torch.device("meta"):
         model = model_class(model_config)
+    method = _quantization(model_config, model)
+    if method == "gguf":
+        assert model_config.gguf is not None and isinstance(model, QuantizedLoading)
+        model.prepare_quantized(model_config.gguf.quantized_names())
     model = model.to_empty(device="cpu")
-    loaded = model.load_weights(model_weights(model_config))
+    loaded = model.load_weights(model_weights(model_config, keep_quantized=method == "gguf"))
     missing = model.required_parameters() - loaded
     if missing:
         raise ValueError(
@@ -63,10 +79,46 @@ def load_model(model_config: ModelConfig) -> nn.Module:
             f"e.g. {sorted(missing)[:5]}"
         )
     model = model.to(model_config.dtype).eval()
+    if method == "gguf":
+        assert isinstance(model, QuantizedLoading)
+        model.finish_quantized(model_config.dtype)
+    elif method in ("int8", "int4"):
+        count = quantize_trunk(model, method)
+        logger.info("quantized %d linear layers to %s (weight-only)", count, method)
     prepack_trunk(model)
     if isinstance(model, PostLoad):
         model.post_load()  # after the cast: e.g. pack the LM head in the runtime dtype
     return model
+
+
+def _quantization(model_config: ModelConfig, model: nn.Module) -> str | None:
+    """What ``model_config.quantization`` means for this model: "gguf" (keep the file's
+    quantized tensors), "int8"/"int4" (quantize after loading), or None (dense)."""
+    asked = model_config.quantization
+    if asked in (None, "none"):
+        return None
+    if asked == "auto":
+        if model_config.gguf is None or not isinstance(model, QuantizedLoading):
+            return None
+        if quant_ops() is None:
+            logger.warning(
+                "%s: quantized kernel unavailable, weights dequantized to %s",
+                model_config.path.name,
+                model_config.dtype,
+            )
+            return None
+        return "gguf"
+    if quant_ops() is None:
+        raise RuntimeError(
+            f"quantization={asked!r} needs the quantized-matmul kernel, which could not be "
+            "built here (see the log); use quantization='none'"
+        )
+    if model_config.gguf is not None:
+        raise ValueError(
+            f"quantization={asked!r} applies to safetensors folders; a GGUF keeps its own "
+            "quantized tensors (quantization='auto') or loads dense ('none')"
+        )
+    return asked
 
 
 def load_dense_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,327 @@
+"""Weight-only quantized linear layers: 4 or 8 bits plus per-group scales, kept that way in memory.
+
+A GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K tensors are converted exactly (every value the
+kernel reconstructs equals the one ``gguf.quants.dequantize`` gives) into two layouts:
+
+- ``w4``: uint8 ``[N, K / 2]`` nibbles, groups of 32, ``value = scale * q + min``;
+- ``w8``: int8 ``[N, K]``, groups of 16 or 32, ``value = scale * q (+ min)``.
+
+A safetensors model opts in with ``quantization="int8"`` (symmetric, groups of 32) or ``"int4"``
+(asymmetric, groups of 32). The matmul (cenote/kernels/quant_linear.cpp) expands each group to
+fp32 inside the dot products when few rows are multiplied (decode: bound by the weight bytes
+read), and dequantizes to the activation dtype for one BLAS matmul when many are (prefill,
+embeddings: bound by FLOPs).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from cenote.kernels import quant_ops
+
+logger = logging.getLogger(__name__)
+
+# Rows at or below which the fused kernel beats dequantize + BLAS matmul (measured with
+# benchmarks/quant_matmul.py; see there for the numbers on each CPU kind).
+FUSED_MAX_ROWS = 8
+
+
+@dataclass
+class QuantizedWeight:
+    """A ``[N, K]`` weight in the ``w4`` or ``w8`` layout (see the module docstring)."""
+
+    qdata: torch.Tensor  # uint8 [N, K/2] (4 bits) or int8 [N, K] (8 bits)
+    scales: torch.Tensor  # [N, K / group], fp16 or fp32
+    mins: torch.Tensor | None  # like scales, or None (symmetric)
+    bits: int
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        k = self.qdata.shape[1] * (2 if self.bits == 4 else 1)
+        return (self.qdata.shape[0], k)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.mins is None else self.mins.nbytes
+        return self.qdata.nbytes + self.scales.nbytes + extra
+
+    def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
+        """The rows ``index`` (a permutation, a slice) as their own weight."""
+        mins = None if self.mins is None else self.mins[index].contiguous()
+        return QuantizedWeight(
+            self.qdata[index].contiguous(),
+            self.scales[index].contiguous(),
+            mins,
+            self.bits,
+            self.group,
+        )
+
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, *, workspace: bool = False
+    ) -> torch.Tensor:
+        """The dense ``[N, K]`` weight. With ``workspace`` it is written into a buffer shared by
+        every layer (valid until the next such call on this thread): the matmul that follows
+        reads it at once, and a fresh multi-MB tensor per call costs more in page faults than
+        the dequantization itself (measured 3x)."""
+        ops = quant_ops()
+        if ops is None or dtype not in (torch.float32, torch.bfloat16):
+            return dequantize_reference(self).to(dtype)
+        buffer = _workspace(dtype, self.shape[0] * self.shape[1]) if workspace else None
+        return ops.quant_dequantize(
+            self.qdata, self.scales, self.mins, self.bits, self.group, dtype, buffer
+        )
+
+
+_workspaces = threading.local()
+
+
+def _workspace(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """This thread's reusable buffer of at least ``numel`` elements of ``dtype``."""
+    buffers = _workspaces.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """One weight of ``parts`` stacked by rows, or None where their formats differ."""
+    first = parts[0]
+    same = all(
+        (p.bits, p.group, p.scales.dtype, p.mins is None, p.shape[1])
+        == (first.bits, first.group, first.scales.dtype, first.mins is None, first.shape[1])
+        for p in parts
+    )
+    if not same:
+        return None
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
+    return QuantizedWeight(
+        torch.cat([p.qdata for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        mins,
+        first.bits,
+        first.group,
+    )
+
+
+def dequantize_reference(weight: QuantizedWeight) -> torch.Tensor:
+    """fp32 ``[N, K]`` in plain torch (the kernel's reference, and its fallback)."""
+    n, k = weight.shape
+    if weight.bits == 4:
+        q = weight.qdata.view(n, k // 32, 16)
+        values = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # [n, groups, 32]
+    else:
+        values = weight.qdata.view(n, k // weight.group, weight.group).float()
+    values = values * weight.scales.float().unsqueeze(-1)
+    if weight.mins is not None:
+        values = values + weight.mins.float().unsqueeze(-1)
+    return values.reshape(n, k)
+
+
+def pack_w4(q: np.ndarray) -> np.ndarray:
+    """uint8 values 0..15 ``[N, K]`` -> ``[N, K/2]`` bytes: per group of 32, byte j holds
+    element j (low nibble) and element j + 16 (high nibble)."""
+    n, k = q.shape
+    groups = q.reshape(n, k // 32, 2, 16).astype(np.uint8)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------
+
+
+def _blocks(data: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
+    return np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1, block_bytes)
+
+
+def _f16(block_bytes: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(block_bytes).view(np.float16)[..., 0]
+
+
+def _packed(
+    qdata: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int, group: int
+) -> QuantizedWeight:
+    return QuantizedWeight(
+        torch.from_numpy(np.ascontiguousarray(qdata)),
+        torch.from_numpy(np.ascontiguousarray(scales)),
+        None if mins is None else torch.from_numpy(np.ascontiguousarray(mins)),
+        bits,
+        group,
+    )
+
+
+def _from_grid(
+    values: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int, group: int
+) -> QuantizedWeight:
+    """Recover the integers of exactly quantized ``values [N, K]`` (``scale * q + min``, with
+    per-group ``scales``/``mins [N, K/group]``) and pack them."""
+    n, k = values.shape
+    grid = values.reshape(n, k // group, group)
+    if mins is not None:
+        grid = grid - mins[..., None].astype(np.float32)
+    scale = scales[..., None].astype(np.float32)
+    q = np.rint(grid / np.where(scale == 0, np.float32(1), scale)).reshape(n, k)
+    packed = pack_w4(q.astype(np.uint8)) if bits == 4 else q.astype(np.int8)
+    return _packed(packed, scales, mins, bits, group)
+
+
+def from_gguf(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantizedWeight | None:
+    """``QuantizedWeight`` of a GGUF tensor's raw blocks (``ReaderTensor.data``) of type ``qtype``
+    and Hugging Face ``shape`` [N, K], or None for a type kept dense (F32, F16, ...)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import Q4_K, dequantize
+
+    rows, k = shape
+    kind = GGMLQuantizationType[qtype]
+
+    def dense() -> np.ndarray:
+        return np.asarray(dequantize(data, kind), dtype=np.float32).reshape(rows, k)
+
+    if qtype in ("Q4_0", "Q4_1", "Q8_0"):  # the file's bytes are already our layout
+        block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
+        blocks = _blocks(data, rows, block_bytes)
+        d = _f16(blocks[..., 0:2])  # [N, K/32]
+        if qtype == "Q8_0":
+            qs = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, k)
+            return _packed(qs, d, None, 8, 32)
+        if qtype == "Q4_1":
+            mins, start = _f16(blocks[..., 2:4]), 4
+        else:  # Q4_0: value = d * (q - 8) = d * q + (-8 d), exact in fp16
+            mins, start = (d.astype(np.float32) * -8).astype(np.float16), 2
+        qs = np.ascontiguousarray(blocks[..., start:]).reshape(rows, k // 2)
+        return _packed(qs, d, mins, 4, 32)
+    if qtype in ("Q5_0", "Q5_1"):
+        blocks = _blocks(data, rows, 22 if qtype == "Q5_0" else 24)
+        d = _f16(blocks[..., 0:2])
+        mins = _f16(blocks[..., 2:4]) if qtype == "Q5_1" else None
+        return _from_grid(dense(), d, mins, 8, 32)  # Q5_0: q - 16 in int8, no min
+    if qtype in ("Q4_K", "Q5_K"):
+        block_bytes = {"Q4_K": 144, "Q5_K": 176}[qtype]
+        blocks = _blocks(data, rows, block_bytes).reshape(-1, block_bytes)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [blocks, 8] each
+        scales = (d * sc.astype(np.float32)).reshape(rows, k // 32)
+        mins = -(dmin * m.astype(np.float32)).reshape(rows, k // 32)
+        return _from_grid(dense(), scales, mins, 4 if qtype == "Q4_K" else 8, 32)
+    if qtype == "Q6_K":
+        blocks = _blocks(data, rows, 210).reshape(-1, 210)
+        sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # [blocks, 16]
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+        scales = (d * sc).reshape(rows, k // 16)
+        return _from_grid(dense(), scales, None, 8, 16)
+    return None
+
+
+# ---- safetensors opt-in -------------------------------------------------------------------------
+
+
+def quantize_dense(weight: torch.Tensor, method: str) -> QuantizedWeight:
+    """Weight-only quantization of a dense ``[N, K]`` weight: ``int8`` (symmetric, groups of
+    32, round to nearest) or ``int4`` (asymmetric min/max, groups of 32)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"{method} quantization needs in_features divisible by 32, got {k}")
+    groups = w.view(n, k // 32, 32)
+    if method == "int8":
+        scale = groups.abs().amax(-1) / 127
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.round(groups / safe.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight(q.view(n, k), scale.contiguous(), None, 8, 32)
+    if method == "int4":
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = (high - low) / 15
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.round((groups - low.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp(0, 15)
+        packed = pack_w4(q.to(torch.uint8).view(n, k).numpy())
+        return QuantizedWeight(
+            torch.from_numpy(packed), scale.contiguous(), low.contiguous(), 4, 32
+        )
+    raise ValueError(f"unknown quantization {method!r}; choose int8 or int4")
+
+
+# ---- modules ------------------------------------------------------------------------------------
+
+
+def quant_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` in ``x``'s dtype."""
+    ops = quant_ops()
+    rows = x.shape[0]
+    if ops is not None and rows <= FUSED_MAX_ROWS:
+        out = ops.quant_matmul(
+            x.float().contiguous(),
+            weight.qdata,
+            weight.scales,
+            weight.mins,
+            weight.bits,
+            weight.group,
+        ).to(x.dtype)
+    else:
+        out = torch.mm(x, weight.dequantize(x.dtype, workspace=True).t())
+    return out if bias is None else out + bias
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is one or more row blocks of ``QuantizedWeight``s (fused
+    projections whose shards came in different formats keep one block each)."""
+
+    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        merged = cat_rows(parts)
+        self.parts = [merged] if merged is not None else parts
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return quant_linear(x, self.parts[0], self.bias)
+        out = torch.cat([quant_linear(x, part, None) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        formats = ", ".join(f"w{p.bits}g{p.group}" for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {formats}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings whose table stays quantized: rows are dequantized when looked up."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight_q.rows(ids.reshape(-1))
+        return dequantize_reference(rows).to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+def quantize_trunk(model: nn.Module, method: str) -> int:
+    """Replace every ``TrunkLinear`` of ``model`` by a ``QuantLinear`` of its weight quantized
+    with ``method`` (int8 / int4); returns how many were replaced."""
+    from cenote.models.layers.linear import TrunkLinear
+
+    targets = [
+        (name, module) for name, module in model.named_modules() if isinstance(module, TrunkLinear)
+    ]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        weight = quantize_dense(module.weight, method)
+        setattr(parent, child, QuantLinear([weight], module.bias))
+    return len(targets)

@@ -1,0 +1,230 @@
+"""Weight-only quantized weights: exact GGUF conversion, the kernel against plain torch, and the
+models that use them (SmolLM2's GGUF kept quantized, MiniLM with int8/int4 opt-in)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from cenote.kernels import quant_ops
+from cenote.models.layers.quant import (
+    FUSED_MAX_ROWS,
+    QuantizedWeight,
+    QuantLinear,
+    cat_rows,
+    dequantize_reference,
+    from_gguf,
+    quant_linear,
+    quantize_dense,
+)
+
+pytestmark = pytest.mark.skipif(quant_ops() is None, reason="quantized kernel not buildable")
+
+_SIMPLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+_K_QUANTS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per block of 256
+
+
+def _k_quant_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random raw blocks of a K-quant with sane fp16 super-block scales."""
+    rng = np.random.default_rng(seed)
+    size = _K_QUANTS[qtype]
+    blocks = rng.integers(0, 256, size=(rows * k // 256, size), dtype=np.uint8)
+    scale = np.array([0.0123], dtype=np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        blocks[:, 208:210] = scale
+    else:
+        blocks[:, 0:2] = scale
+        blocks[:, 2:4] = np.array([0.0071], dtype=np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _reference(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    values = dequantize(data, GGMLQuantizationType[qtype])
+    return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(shape))
+
+
+@pytest.mark.parametrize("qtype", _SIMPLE + list(_K_QUANTS))
+def test_gguf_tensors_convert_exactly(qtype):
+    """Every value the kernel reconstructs is the value gguf's own dequantize gives."""
+    shape = (48, 512)
+    if qtype in _K_QUANTS:
+        data = _k_quant_blocks(qtype, *shape)
+    else:
+        w = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+        data = quantize(w, GGMLQuantizationType[qtype])
+    weight = from_gguf(data, qtype, shape)
+    assert weight is not None
+    expected = _reference(data, qtype, shape)
+    assert torch.equal(dequantize_reference(weight), expected)
+    assert torch.equal(weight.dequantize(torch.float32), expected)
+    assert torch.equal(weight.dequantize(torch.bfloat16), expected.bfloat16())
+    assert weight.nbytes < expected.nbytes / 3
+
+
+def test_dense_gguf_types_stay_dense():
+    assert from_gguf(np.zeros((4, 32), np.float32), "F32", (4, 32)) is None
+
+
+def _weights() -> list[QuantizedWeight]:
+    dense = torch.randn(40, 256) * 0.1
+    half = quantize_dense(dense, "int4")
+    half = QuantizedWeight(half.qdata, half.scales.half(), half.mins.half(), 4, 32)
+    q6k = from_gguf(_k_quant_blocks("Q6_K", 40, 256), "Q6_K", (40, 256))  # int8, groups of 16
+    return [quantize_dense(dense, "int8"), quantize_dense(dense, "int4"), half, q6k]
+
+
+def _assert_matmul_close(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    """fp32 agreement up to summation order: |error| <= 2e-6 * sum_k |x_k w_k| (about
+    sqrt(K) float32 ulps of the terms' magnitude)."""
+    bound = 2e-6 * (x.abs() @ dense.abs().T) + 1e-7
+    error = (got - x @ dense.T).abs()
+    assert (error <= bound).all(), (error / bound).max()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1, 37])
+def test_quant_linear_matches_dense_matmul(rows):
+    """Fused kernel (few rows) and dequantize + matmul (many) agree with x @ W.T in fp32."""
+    ops = quant_ops()
+    for weight in _weights():
+        x = torch.randn(rows, 256)
+        dense = dequantize_reference(weight)
+        bias = torch.randn(40)
+        _assert_matmul_close(quant_linear(x, weight, bias) - bias, x, dense)
+        fused = ops.quant_matmul(
+            x, weight.qdata, weight.scales, weight.mins, weight.bits, weight.group
+        )
+        _assert_matmul_close(fused, x, dense)
+
+
+def test_quant_linear_bf16_activations():
+    weight = quantize_dense(torch.randn(64, 128), "int4")
+    x = torch.randn(3, 128).bfloat16()
+    out = quant_linear(x, weight, None)
+    assert out.dtype == torch.bfloat16
+    expected = x.float() @ dequantize_reference(weight).T
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_row_results_do_not_depend_on_the_batch():
+    """A row's output is the same alone or among others (fused kernel rows are independent)."""
+    weight = quantize_dense(torch.randn(96, 256), "int4")
+    x = torch.randn(FUSED_MAX_ROWS, 256)
+    together = quant_linear(x, weight, None)
+    for i in range(x.shape[0]):
+        assert torch.equal(quant_linear(x[i : i + 1], weight, None)[0], together[i])
+
+
+def test_fused_projection_of_mixed_formats():
+    """q/k/v shards in different formats stay separate blocks, outputs concatenated in order."""
+    dense = [torch.randn(32, 64), torch.randn(16, 64)]
+    parts = [quantize_dense(dense[0], "int4"), quantize_dense(dense[1], "int8")]
+    assert cat_rows(parts) is None
+    layer = QuantLinear(parts, None)
+    x = torch.randn(2, 64)
+    expected = torch.cat([x @ dequantize_reference(p).T for p in parts], dim=-1)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_kernel_arguments_raise_clearly():
+    ops = quant_ops()
+    weight = quantize_dense(torch.randn(8, 64), "int8")
+    with pytest.raises(RuntimeError, match="K=32 is not|columns for K=32"):
+        ops.quant_matmul(torch.randn(1, 32), weight.qdata, weight.scales, None, 8, 32)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        ops.quant_matmul(torch.randn(1, 64), weight.qdata, weight.scales, None, 3, 32)
+    with pytest.raises(ValueError, match="divisible by 32, got 40"):
+        quantize_dense(torch.randn(4, 40), "int8")
+
+
+@pytest.mark.parametrize(("method", "floor"), [("int8", 0.9999), ("int4", 0.99)])
+def test_quantize_dense_fidelity(method, floor):
+    w = torch.randn(256, 512)
+    d = dequantize_reference(quantize_dense(w, method))
+    cosine = torch.nn.functional.cosine_similarity(d.flatten(), w.flatten(), dim=0)
+    assert cosine > floor
+
+
+# ---- models ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf():
+    from cenote.models.gguf_loader import find_smollm2_gguf
+
+    return find_smollm2_gguf()  # fails (not skips) when the weights package is missing
+
+
+def test_smollm2_gguf_stays_quantized(smollm2_gguf):
+    from cenote.config import ModelConfig
+    from cenote.models.layers.quant import QuantEmbedding
+    from cenote.models.loader import load_model
+
+    model_config = ModelConfig.from_path(str(smollm2_gguf), dtype="float32")
+    model = load_model(model_config)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    assert isinstance(layer.mlp.down_proj, QuantLinear)
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    quantized = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    # about the file's bytes: 4.5-5 bits per trunk weight, the rest (norms) dense fp32
+    assert quantized + model.model.embed_tokens.weight_q.nbytes < 110e6
+    assert dense < 1e6
+
+
+def test_smollm2_quantized_greedy_equals_dense(smollm2_gguf):
+    """The kept-quantized GGUF generates what the dequantized (fp32) one does."""
+    from cenote import LLM, SamplingParams
+
+    prompts = ["Explain why the sky is blue.", "Write a haiku about the sea."]
+    params = SamplingParams(max_tokens=32, temperature=0)
+    outputs = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(str(smollm2_gguf), dtype="float32", quantization=quantization)
+        outputs[quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+    assert outputs["auto"] == outputs["none"]
+
+
+def test_minilm_int8_and_int4_fidelity():
+    """Weight-only int8 keeps MiniLM's embeddings at cosine >= 0.999 of fp32 (the issue's bar).
+    Round-to-nearest int4 costs a 6-layer, 384-wide encoder far more (measured 0.967-0.978 on
+    these texts): the test only guards against a broken int4 path (a layout bug gives ~0)."""
+    from cenote import LLM
+    from cenote.config import default_model_path
+
+    minilm_path = default_model_path()
+    texts = ["A man is eating food.", "The weather is lovely today, isn't it?", "Quantum " * 30]
+    reference = torch.tensor(
+        [o.outputs.embedding for o in LLM(str(minilm_path), dtype="float32").embed(texts)]
+    )
+    for method, floor in (("int8", 0.999), ("int4", 0.95)):
+        llm = LLM(str(minilm_path), dtype="float32", quantization=method)
+        got = torch.tensor([o.outputs.embedding for o in llm.embed(texts)])
+        cosine = torch.nn.functional.cosine_similarity(got, reference, dim=-1)
+        assert cosine.min() >= floor, (method, cosine)
+
+
+def test_quantization_of_a_gguf_is_refused(smollm2_gguf):
+    from cenote import LLM
+
+    with pytest.raises(ValueError, match="applies to safetensors folders"):
+        LLM(str(smollm2_gguf), quantization="int8")
+
+
+def test_without_the_kernel_a_gguf_loads_dense(smollm2_gguf, monkeypatch, caplog):
+    """Where the kernel cannot be built the GGUF is dequantized, with one log line saying so."""
+    import cenote.models.loader as loader
+    from cenote.config import ModelConfig
+
+    monkeypatch.setattr(loader, "quant_ops", lambda: None)
+    model_config = ModelConfig.from_path(str(smollm2_gguf), dtype="float32")
+    with caplog.at_level(logging.WARNING, logger="cenote.models.loader"):
+        model = loader.load_model(model_config)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    assert "quantized kernel unavailable" in caplog.text
