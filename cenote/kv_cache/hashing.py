@@ -24,7 +24,7 @@ ROOT_HASH: BlockHash = hashlib.sha256(b"cenote-kv-root").digest()
 def hash_block_tokens(
     parent_hash: BlockHash | None,
     token_ids: Sequence[int],
-    extra_keys: tuple | None = None,
+    extra_keys: tuple[object, ...] | None = None,
 ) -> BlockHash:
     """Hash one block of tokens, chained onto ``parent_hash`` (``None`` for the first block).
 
@@ -41,7 +41,7 @@ def hash_block_tokens(
 
 
 def compute_block_hashes(
-    request: Request, block_size: int, extra_keys: tuple | None = None
+    request: Request, block_size: int, extra_keys: tuple[object, ...] | None = None
 ) -> list[BlockHash]:
     """Extend ``request.block_hashes`` with the hashes of its newly full blocks.
 

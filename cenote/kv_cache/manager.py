@@ -192,6 +192,7 @@ class KVCacheManager:
     def _free_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the request's blocks that end before the window of position
         ``num_computed_tokens`` (the next query); they keep their prefix-cache content."""
+        assert self.sliding_window is not None
         blocks = self.req_to_blocks[request_id]
         first_visible = max(0, num_computed_tokens - self.sliding_window + 1)
         end = min(first_visible // self.block_size, len(blocks))
@@ -200,7 +201,7 @@ class KVCacheManager:
             return
         # cached blocks were entered into the prefix cache when their tokens were allocated
         assert not self.enable_caching or end <= self.num_cached_blocks.get(request_id, 0)
-        self.block_pool.free_blocks(blocks[start:end])
+        self.block_pool.free_blocks(b for b in blocks[start:end] if b is not None)
         blocks[start:end] = [None] * (end - start)
         self.num_skipped_blocks[request_id] = end
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,8 +14,9 @@ from cenote.models.loader import load_dense_weights
 from cenote.models.registry import ModelEntry
 from cenote.pooling.activation import classifier_activation
 from cenote.pooling.heads import DenseProjector, EmbeddingHead
-from cenote.pooling.methods import PoolingMethod
-from cenote.pooling.pooler import ClassifierPooler, DispatchPooler, EmbeddingPooler, Pooler
+from cenote.pooling.methods import PoolingMethod, parse_pooling_method
+from cenote.pooling.interface import Pooler
+from cenote.pooling.pooler import ClassifierPooler, DispatchPooler, EmbeddingPooler
 from cenote.pooling.sparse import SparsePooler
 from cenote.tasks import PoolingTask
 
@@ -23,10 +25,10 @@ def default_pooling_method(model_config: ModelConfig, is_causal: bool) -> Poolin
     """The user's ``pooler_config``, else sentence-transformers' choice when the folder has one,
     else CLS (encoders) / LAST (decoders)."""
     if model_config.pooler_config.pooling_type is not None:
-        return model_config.pooler_config.pooling_type.lower()
+        return parse_pooling_method(model_config.pooler_config.pooling_type.lower())
     st = model_config.st_config
     if st is not None and st.pooling is not None:
-        return st.pooling
+        return parse_pooling_method(st.pooling)
     return "last" if is_causal else "cls"
 
 
@@ -55,7 +57,9 @@ def build_embedding_pooler(
     normalize = st.normalize if st is not None else True
     if model_config.pooler_config.normalize is not None:
         normalize = model_config.pooler_config.normalize
-    output_size = st.dense_layers[-1].out_features if projector is not None else hidden_size
+    output_size = hidden_size
+    if st is not None and projector is not None:
+        output_size = st.dense_layers[-1].out_features
     return EmbeddingPooler(
         default_pooling_method(model_config, is_causal),
         EmbeddingHead(projector, default_normalize=normalize),
@@ -64,12 +68,13 @@ def build_embedding_pooler(
     )
 
 
-def _st_settings(model_config: ModelConfig) -> dict:
+def _st_settings(model_config: ModelConfig) -> dict[str, Any]:
     path = model_config.path / "config_sentence_transformers.json"
     if model_config.gguf_file is not None or not path.exists():
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        settings: dict[str, Any] = json.load(f)
+    return settings
 
 
 def build_classifier_pooler(model_config: ModelConfig, model: Model) -> ClassifierPooler:

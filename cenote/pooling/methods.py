@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from cenote.pooling.metadata import PoolingMetadata
 
 PoolingMethod = Literal["cls", "mean", "last", "all", "step"]
+POOLING_METHODS: tuple[PoolingMethod, ...] = get_args(PoolingMethod)
+
+
+def parse_pooling_method(name: str) -> PoolingMethod:
+    """``name`` as a pooling method; an unknown one is an error listing the methods."""
+    for method in POOLING_METHODS:
+        if method == name:
+            return method
+    raise ValueError(f"unknown pooling method {name!r}; supported: {', '.join(POOLING_METHODS)}")
 
 
 def pool_cls(hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
@@ -30,7 +39,7 @@ def pool_mean(hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
 
 
 def pool_all(hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
-    return list(hidden.float().split(metadata.prompt_lens))  # [prompt_len, hidden] each
+    return list(torch.split(hidden.float(), metadata.prompt_lens))  # [prompt_len, hidden] each
 
 
 def pool_step(
@@ -40,7 +49,7 @@ def pool_step(
     ``default_step_tag_id`` (all rows if neither is set)."""
     out = []
     for rows, params, token_ids in zip(
-        hidden.float().split(metadata.prompt_lens),
+        torch.split(hidden.float(), metadata.prompt_lens),
         metadata.pooling_params,
         metadata.prompt_token_ids,
         strict=True,
@@ -62,7 +71,7 @@ def pool_after_instructions(
     assert method in ("cls", "mean"), method
     pooled = []
     for rows, params in zip(
-        hidden.split(metadata.prompt_lens), metadata.pooling_params, strict=True
+        torch.split(hidden, metadata.prompt_lens), metadata.pooling_params, strict=True
     ):
         rest = rows[params.instruction_length :].float()  # [rows after the instruction, hidden]
         if method == "cls":

@@ -80,8 +80,7 @@ class EmbeddingPooler(nn.Module):
                 params = metadata.pooling_params[i]
                 if params.task == "token_embed":
                     outputs[i] = self.head(rows, params)  # [prompt_len, dimensions]
-        _check_served(metadata, outputs)
-        return outputs
+        return _served(metadata, outputs)
 
 
 class ClassifierPooler(nn.Module):
@@ -138,8 +137,7 @@ class ClassifierPooler(nn.Module):
                 if params.returned_token_ids is not None:
                     scores = scores[:, params.returned_token_ids]
                 outputs[i] = self._activate(scores, params.use_activation)
-        _check_served(metadata, outputs)
-        return outputs
+        return _served(metadata, outputs)
 
 
 class DispatchPooler(nn.Module):
@@ -173,6 +171,7 @@ class DispatchPooler(nn.Module):
         groups: dict[int, list[int]] = {}  # id(pooler) -> request indices
         by_id: dict[int, Pooler] = {}
         for i, params in enumerate(metadata.pooling_params):
+            assert params.task is not None, "the API that received the request sets its task"
             pooler = self.poolers[params.task]
             groups.setdefault(id(pooler), []).append(i)
             by_id[id(pooler)] = pooler
@@ -192,11 +191,13 @@ class DispatchPooler(nn.Module):
             )
             for i, result in zip(indices, by_id[key](rows, sub), strict=True):
                 outputs[i] = result
-        return outputs
+        return _served(metadata, outputs)
 
 
-def _check_served(metadata: PoolingMetadata, outputs: list[torch.Tensor | None]) -> None:
+def _served(metadata: PoolingMetadata, outputs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``outputs`` once every request has one."""
     missing = [
         p.task for p, out in zip(metadata.pooling_params, outputs, strict=True) if out is None
     ]
     assert not missing, f"tasks {missing} reached a pooler that cannot serve them"
+    return [out for out in outputs if out is not None]

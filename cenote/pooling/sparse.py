@@ -70,7 +70,7 @@ class SparsePooler(nn.Module):
         vector per request, zero outside its active entries."""
         outputs = []
         for rows, params in zip(
-            hidden.split(metadata.prompt_lens), metadata.pooling_params, strict=True
+            torch.split(hidden, metadata.prompt_lens), metadata.pooling_params, strict=True
         ):
             assert params.task == "embed_sparse", f"{params.task} reached the sparse pooler"
             # 1) logits -> activate -> pool  2) keep the top k
@@ -82,7 +82,7 @@ class SparsePooler(nn.Module):
     def pool(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [prompt_len, hidden]`` of one prompt -> ``[vocab_size]`` fp32 weights."""
         pooled = torch.zeros(self.vocab_size, dtype=torch.float32)
-        for chunk in rows.split(_ROWS_PER_CHUNK):
+        for chunk in torch.split(rows, _ROWS_PER_CHUNK):
             x = self.mlm_logits(chunk).relu_().log1p_()  # [rows, vocab_size]
             if self.activation == "log1p_relu":
                 x = x.log1p_()

@@ -48,7 +48,8 @@ class Sampler(nn.Module):
         logits = logits.to(torch.float32, copy=True)
         # 2) raw logprobs, before anything changes the logits
         raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
+        num_logprobs = metadata.max_num_logprobs
+        if num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)
         # 3) banned tokens and penalties
         logits = mask_tokens(logits, metadata.masked_token_ids)
@@ -60,8 +61,8 @@ class Sampler(nn.Module):
         sampled = sample(logits, metadata)
         # 5) logprobs of the chosen tokens
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
+        if raw_logprobs is not None and num_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
@@ -108,6 +109,8 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     """
     num_rows, vocab_size = logits.shape
     assert metadata.prompt_token_ids is not None and metadata.output_token_ids is not None
+    assert metadata.repetition_penalties is not None
+    assert metadata.frequency_penalties is not None and metadata.presence_penalties is not None
     output_counts = token_counts(metadata.output_token_ids, vocab_size)  # [num_rows, vocab]
     prompt_seen = token_counts(metadata.prompt_token_ids, vocab_size) > 0
     seen = prompt_seen | (output_counts > 0)  # [num_rows, vocab]

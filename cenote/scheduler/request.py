@@ -59,7 +59,7 @@ class Request:
     num_preemptions: int = 0
     num_prompt_logprobs_sent: int = 0  # prompt positions whose logprobs were returned (recompute)
     status: RequestStatus = RequestStatus.WAITING
-    block_hashes: list = field(default_factory=list)  # chained hashes of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
 

@@ -7,11 +7,13 @@ from collections import deque
 from collections.abc import Iterable
 
 from cenote.config import CacheConfig, SchedulerConfig
+from cenote.kv_cache.block_pool import KVCacheBlock
 from cenote.kv_cache.manager import KVCacheManager
 from cenote.messages import EngineCoreOutput, LogprobsLists
 from cenote.runner.output import ModelRunnerOutput
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
 from cenote.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from cenote.tasks import PoolingTask
 
 
 class Scheduler:
@@ -23,7 +25,7 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_cache_manager: KVCacheManager | None,  # None for encoder-only models
         prefix_cacheable_tasks: frozenset[
-            str
+            PoolingTask
         ] = frozenset(),  # pooling tasks that read only the last token
         max_model_len: int = 1 << 30,  # generation stops here
     ) -> None:
@@ -105,7 +107,9 @@ class Scheduler:
             return False
         if request.sampling_params is not None:
             return request.sampling_params.prompt_logprobs is None
-        return request.pooling_params.task in self.prefix_cacheable_tasks
+        assert request.pooling_params is not None
+        task = request.pooling_params.task
+        return task is not None and task in self.prefix_cacheable_tasks
 
     def schedule(self) -> SchedulerOutput:
         """Pick the requests of the next step.
@@ -141,8 +145,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            num_new = self._admit(request, budget)
-            if num_new is None:
+            num_admitted = self._admit(request, budget)
+            if num_admitted is None:
                 break  # FCFS: nobody jumps the queue
             self.waiting.popleft()
             if request.status == RequestStatus.PREEMPTED:
@@ -151,8 +155,8 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            scheduled.append(self._scheduled(request, num_admitted))
+            budget -= num_admitted
 
         output = SchedulerOutput(
             scheduled=scheduled,
@@ -169,7 +173,8 @@ class Scheduler:
         if manager is None:
             num_new = request.num_tokens - request.num_computed_tokens
             return num_new if num_new <= budget else None
-        blocks, num_cached = [], 0
+        blocks: list[KVCacheBlock] = []
+        num_cached = 0
         if self._can_use_prefix_cache(request) and request.num_computed_tokens == 0:
             blocks, num_cached = manager.get_computed_blocks(request)
         num_new = request.num_tokens - request.num_computed_tokens - num_cached
@@ -204,6 +209,7 @@ class Scheduler:
         return candidates[-1]
 
     def _preempt(self, request: Request) -> None:
+        assert self.kv_cache_manager is not None, "only requests holding KV blocks are preempted"
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -309,6 +315,7 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
+        assert params is not None
         last = request.output_token_ids[-1]
         if request.num_output_tokens >= params.min_tokens:
             if last in (params.stop_token_ids or ()):
@@ -316,7 +323,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and last == request.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
