@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cenote.forward_context import AttentionMetadata, get_attention_metadata
+from cenote.models.layers.attention_kernels import attention_ops
 from cenote.models.layers.attention_plan import PagedPlan, paged_plan
 
 # Encoders only: ``mask_fn(rows, num_requests, length)`` -> a bool (True = attend) or additive
@@ -16,6 +17,8 @@ from cenote.models.layers.attention_plan import PagedPlan, paged_plan
 # whose tokens are ``rows`` of the flat stream (relative position bias, local window, key mask),
 # or None where every token sees every other.
 EncoderMaskFn = Callable[[slice, int, int], torch.Tensor | None]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Attention(nn.Module):
@@ -65,7 +68,9 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if metadata.kv_caches is None:
-            out = self._attend_without_cache(q, k, v, metadata, mask_fn)
+            causal = metadata.causal if self.causal is None else self.causal
+            starts = metadata.query_start_loc[:-1]
+            out = self._attend_fresh(q, k, v, starts, metadata.query_lens, causal, mask_fn)
         else:
             out = self._attend_paged(q, k, v, metadata)
         return out.reshape(-1, self.num_heads * self.head_dim)
@@ -111,26 +116,38 @@ class Attention(nn.Module):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)
 
-    def _attend_without_cache(
+    def _attend_fresh(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        metadata: AttentionMetadata,
+        starts: list[int],
+        lengths: list[int],
+        causal: bool,
         mask_fn: EncoderMaskFn | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Each request sees only its own tokens; requests of equal length share one kernel call."""
-        loc = metadata.query_start_loc
-        lens = metadata.query_lens
-        causal = metadata.causal if self.causal is None else self.causal
-        out = torch.empty_like(q)
+        """Requests whose new rows [start, start + length) are their whole sequence, each
+        attending to its own rows, into ``out`` (allocated when None): one kernel call for all of
+        them; where the kernel does not apply, one SDPA call per run of adjacent equal-length
+        requests."""
+        out = torch.empty_like(q) if out is None else out
+        ops = attention_ops()
+        if (
+            ops is not None
+            and q.device.type == "cpu"
+            and mask_fn is None
+            and self.softcap is None
+            and (self.sliding_window is None or max(lengths) <= self.sliding_window)
+        ):
+            ops.varlen_attention(q, k, v, out, starts, lengths, self.scale, causal)
+            return out
         i = 0
-        while i < len(lens):
-            j = i
-            while j + 1 < len(lens) and lens[j + 1] == lens[i]:
+        while i < len(lengths):
+            n, j = lengths[i], i
+            while j + 1 < len(lengths) and lengths[j + 1] == n and starts[j + 1] == starts[j] + n:
                 j += 1
-            start, end, n = loc[i], loc[j + 1], lens[i]
-            group = slice(start, end)
+            group = slice(starts[i], starts[j] + n)
             shape = (j - i + 1, n)
             out[group] = self._sdpa(
                 q[group].view(*shape, self.num_heads, self.head_dim),
@@ -138,7 +155,7 @@ class Attention(nn.Module):
                 v[group].view(*shape, self.num_kv_heads, self.head_dim),
                 causal=causal,
                 mask=mask_fn(group, j - i + 1, n) if mask_fn else self._window_mask(n, causal),
-            ).reshape(end - start, self.num_heads, self.head_dim)
+            ).reshape(group.stop - group.start, self.num_heads, self.head_dim)
             i = j + 1
         return out
 
@@ -156,8 +173,9 @@ class Attention(nn.Module):
     def _attend_paged(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """Write the new keys/values of every row into their slots first, then attend over each
-        request's blocks (so a block cached by one request this step is complete when read)."""
+        """Write the new keys/values of every row into their slots first, then attend: decode
+        rows over their blocks in place, whole prompts from their new rows, chunks after cached
+        context over their blocks (so a block cached by one request this step is complete)."""
         kv_cache = metadata.kv_caches[self.layer_idx]  # see kv_cache_shape
         slots = kv_cache.view(2, self.num_kv_heads, -1, self.head_dim)  # [2, kv_heads, slots, dim]
         slots[0].index_copy_(1, metadata.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
@@ -169,15 +187,13 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
             out[plan.decode_rows] = self._attend_decode(q[plan.decode_rows], kv_cache, plan)
+        if plan.fresh_starts:
+            self._attend_fresh(q, k, v, plan.fresh_starts, plan.fresh_lengths, True, out=out)
         for prefill in plan.prefills:
-            if not prefill.cached_context:  # the new rows are the whole sequence
-                keys, values = k[prefill.rows].transpose(0, 1), v[prefill.rows].transpose(0, 1)
-            else:
-                kv = self._gather(kv_cache, prefill.blocks)[:, :, 0, : prefill.seq_len]
-                keys, values = kv[0], kv[1]  # [kv_heads, seq_len, dim]
+            kv = self._gather(kv_cache, prefill.blocks)[:, :, 0, : prefill.seq_len]
             query = q[prefill.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-            result = self._kernel(
-                query, keys.unsqueeze(0), values.unsqueeze(0), prefill.mask, prefill.mask is None
+            result = self._kernel(  # keys, values: [1, kv_heads, seq_len, dim]
+                query, kv[0].unsqueeze(0), kv[1].unsqueeze(0), prefill.mask, causal=False
             )
             out[prefill.rows] = result[0].transpose(0, 1)
         return out
@@ -194,10 +210,34 @@ class Attention(nn.Module):
     def _attend_decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, plan: PagedPlan
     ) -> torch.Tensor:
-        """One-token queries of many requests at once over their padded, masked block tables.
+        """One-token queries of many requests at once: the C++ kernel reads each request's
+        blocks in place; without it, a gather of the padded block tables."""
+        ops = attention_ops()
+        if (
+            ops is None
+            or q.device.type != "cpu"
+            or q.dtype != kv_cache.dtype
+            or q.dtype not in _KERNEL_DTYPES
+        ):
+            return self._attend_decode_gathered(q, kv_cache, plan)
+        if q.stride(2) != 1 or q.stride(1) != self.head_dim:
+            q = q.contiguous()
+        return ops.paged_attention(
+            q,
+            kv_cache,
+            plan.decode_tables,
+            plan.decode_starts,
+            plan.decode_ends,
+            self.scale,
+            self.softcap or 0.0,
+        )
 
-        Two batched matmuls rather than SDPA: measured 4x faster for bf16 one-token queries on
-        this CPU (SDPA's flash kernel is built for long queries)."""
+    def _attend_decode_gathered(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: PagedPlan
+    ) -> torch.Tensor:
+        """Decode over a copy of the padded, masked block tables: two batched matmuls rather
+        than SDPA (measured 4x faster for bf16 one-token queries: SDPA's flash kernel is built
+        for long queries)."""
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         kv = self._gather(kv_cache, plan.decode_tables)  # [2, kv_heads, batch, L, dim]

@@ -5,10 +5,52 @@ the first layer that needs them, shared by the others through the step's ``Atten
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from cenote.forward_context import AttentionMetadata
+
+
+@dataclass
+class PrefillRow:
+    """A chunk of a prompt that follows context already in the cache."""
+
+    rows: slice  # its rows in the flat token stream
+    blocks: torch.Tensor  # [num_blocks] int64 its KV blocks, from the first one any row can see
+    seq_len: int  # keys attended: context length after this step, less the positions before
+    # the first gathered block (sliding windows skip blocks no query of the chunk sees)
+    mask: torch.Tensor  # [query_len, seq_len] bool, True = attend: causal, bottom-right aligned
+
+
+@dataclass
+class PagedPlan:
+    """Decode rows (one new token each) attend together over their blocks; prompts computed
+    whole this step attend to their own new rows (as an encoder batch, causal); chunks after
+    cached context one by one over their blocks.
+
+    With a sliding ``window``, each request's block table starts at the first block holding a
+    key its queries can see (earlier ones may already be freed), and the masks cut keys
+    ``window`` or more positions back."""
+
+    block_size: int  # tokens per KV block
+    decode_rows: torch.Tensor | None  # [num_decode] row of each decode request in the stream
+    all_decode: bool  # every request decodes, in order: rows are the whole stream
+    decode_tables: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with block 0s
+    decode_starts: torch.Tensor | None  # [num_decode] int64 first key, in table positions
+    decode_ends: torch.Tensor | None  # [num_decode] int64 one past the last key (the new one)
+    fresh_starts: list[int]  # first row of each prompt computed whole this step
+    fresh_lengths: list[int]  # its length
+    prefills: list[PrefillRow]  # chunks that follow cached context
+
+    @cached_property
+    def decode_padding(self) -> torch.Tensor:
+        """[num_decode, max_blocks * block_size] bool, True = not a key of the row."""
+        assert self.decode_tables is not None
+        assert self.decode_starts is not None and self.decode_ends is not None
+        positions = torch.arange(self.decode_tables.shape[1] * self.block_size).unsqueeze(0)
+        starts, ends = self.decode_starts.unsqueeze(1), self.decode_ends.unsqueeze(1)
+        return (positions < starts) | (positions >= ends)
 
 
 def paged_plan(metadata: AttentionMetadata, window: int | None = None) -> PagedPlan:
@@ -16,77 +58,48 @@ def paged_plan(metadata: AttentionMetadata, window: int | None = None) -> PagedP
     key = ("paged", window)
     plan = metadata.plans.get(key)
     if plan is None:
-        plan = metadata.plans[key] = PagedPlan.build(metadata, window)
+        plan = metadata.plans[key] = _build_paged_plan(metadata, window)
     return plan
 
 
-@dataclass
-class PrefillRow:
-    """A request computing more than one token this step (a prompt or a chunk of one)."""
-
-    rows: slice  # its rows in the flat token stream
-    blocks: torch.Tensor  # [num_blocks] int64 its KV blocks, from the first one any row can see
-    seq_len: int  # keys attended: context length after this step, less the positions before
-    # the first gathered block (sliding windows skip blocks no query of the chunk sees)
-    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = attend; None = plain causal
-    cached_context: bool  # context precedes the chunk: keys are read from the cache
-
-
-@dataclass
-class PagedPlan:
-    """Decode rows (one new token each) attend together; prefill rows one by one.
-
-    With a sliding ``window``, each request's blocks start at the first block holding a key its
-    queries can see (earlier ones may already be freed), and the masks cut keys ``window`` or
-    more positions back."""
-
-    decode_rows: torch.Tensor | None  # [num_decode] row of each decode request in the stream
-    all_decode: bool  # every request decodes, in order: rows are the whole stream
-    decode_tables: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with block 0s
-    decode_padding: torch.Tensor | None  # [num_decode, max_blocks * block_size] bool, True = pad
-    prefills: list[PrefillRow]
-
-    @classmethod
-    def build(cls, md: AttentionMetadata, window: int | None = None) -> PagedPlan:
-        lens = md.query_lens
-        size = md.block_size
-        decode = [i for i, n in enumerate(lens) if n == 1]
-        prefills = []
-        for i, n in enumerate(lens):
-            if n == 1:
-                continue
-            seq_len = md.seq_lens[i]
-            first = _first_visible_block(seq_len - n, window, size)
-            mask = None
-            if n != seq_len or (window is not None and n > window):
-                # causal, bottom-right aligned, within the window
-                queries = torch.arange(seq_len - n, seq_len).unsqueeze(1)
-                keys = torch.arange(first * size, seq_len).unsqueeze(0)
-                mask = keys <= queries
-                if window is not None:
-                    mask &= keys > queries - window
-            blocks = torch.tensor(md.block_tables[i][first:], dtype=torch.long)
-            rows = slice(md.query_start_loc[i], md.query_start_loc[i + 1])
-            prefills.append(PrefillRow(rows, blocks, seq_len - first * size, mask, n != seq_len))
-        if not decode:
-            return cls(None, False, None, None, prefills)
-        seq_lens = [md.seq_lens[i] for i in decode]
-        if window is None:
-            tables = [md.block_tables[i] for i in decode]
-        else:
-            firsts = [_first_visible_block(n - 1, window, size) for n in seq_lens]
-            tables = [md.block_tables[i][f:] for i, f in zip(decode, firsts, strict=True)]
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)
-        positions = torch.arange(width * size).unsqueeze(0)  # [1, width * block_size]
-        if window is not None:  # [num_decode, width * block_size]
-            positions = positions + torch.tensor(firsts).unsqueeze(1) * size
-        ends = torch.tensor(seq_lens).unsqueeze(1)
-        padding = positions >= ends
+def _build_paged_plan(md: AttentionMetadata, window: int | None) -> PagedPlan:
+    lens = md.query_lens
+    size = md.block_size
+    assert md.block_tables is not None
+    decode, fresh, prefills = [], [], []
+    for i, n in enumerate(lens):
+        seq_len = md.seq_lens[i]
+        if n == 1:
+            decode.append(i)
+            continue
+        if n == seq_len:
+            fresh.append(i)
+            continue
+        first = _first_visible_block(seq_len - n, window, size)
+        queries = torch.arange(seq_len - n, seq_len).unsqueeze(1)
+        keys = torch.arange(first * size, seq_len).unsqueeze(0)
+        mask = keys <= queries
         if window is not None:
-            padding |= positions <= ends - 1 - window
-        rows = torch.tensor([md.query_start_loc[i] for i in decode], dtype=torch.long)
-        return cls(rows, len(decode) == len(lens), padded, padding, prefills)
+            mask &= keys > queries - window
+        blocks = torch.tensor(md.block_tables[i][first:], dtype=torch.long)
+        rows = slice(md.query_start_loc[i], md.query_start_loc[i + 1])
+        prefills.append(PrefillRow(rows, blocks, seq_len - first * size, mask))
+    fresh_starts = [md.query_start_loc[i] for i in fresh]
+    fresh_lengths = [lens[i] for i in fresh]
+    if not decode:
+        return PagedPlan(size, None, False, None, None, None, fresh_starts, fresh_lengths, prefills)
+    seq_lens = [md.seq_lens[i] for i in decode]
+    firsts = [_first_visible_block(n - 1, window, size) for n in seq_lens]
+    tables = [md.block_tables[i][f:] for i, f in zip(decode, firsts, strict=True)]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)
+    ends = torch.tensor([n - f * size for n, f in zip(seq_lens, firsts, strict=True)])
+    starts = torch.zeros_like(ends) if window is None else (ends - window).clamp_(min=0)
+    decode_rows = torch.tensor([md.query_start_loc[i] for i in decode], dtype=torch.long)
+    all_decode = len(decode) == len(lens)
+    return PagedPlan(
+        size, decode_rows, all_decode, padded, starts, ends, fresh_starts, fresh_lengths, prefills
+    )
 
 
 def _first_visible_block(position: int, window: int | None, block_size: int) -> int:

@@ -1,0 +1,114 @@
+"""Attention's C++ ops (``attention_kernels.cpp``), built with torch's extension tooling on
+first use for this CPU and cached on disk: ``paged_attention`` (decode rows read their KV blocks
+in place) and ``varlen_attention`` (every request of a flat stream in one call).
+
+Where they cannot be built (no compiler, an unsupported platform) ``attention_ops()`` logs why
+once and returns None; attention then loops over requests in Python and gathers KV blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("attention_kernels.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+_STALE_LOCK_S = 600
+
+
+def kernel_cache_dir() -> Path:
+    """Where built kernels live: ``$CENOTE_CACHE_DIR/kernels`` (default ~/.cache/cenote)."""
+    root = os.environ.get("CENOTE_CACHE_DIR")
+    if root:
+        return Path(root) / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cenote" / "kernels"
+
+
+@functools.cache
+def attention_ops() -> Any | None:
+    """``torch.ops.cenote_attention`` (building it on first call), or None.
+
+    ``paged_attention(q, kv_cache, block_tables, key_starts, key_ends, scale, softcap) -> out``:
+    q [rows, heads, head_dim] (fp32 or bf16, the cache's dtype); kv_cache: one layer's
+    ``kv_cache_shape``; block_tables [rows, max_blocks] int64; row r attends to the keys at
+    table positions [key_starts[r], key_ends[r]); softcap 0 = none; out [rows, heads, dim].
+
+    ``varlen_attention(q, k, v, out, starts, lengths, scale, causal)``: q/out [tokens, heads,
+    dim], k/v [tokens, kv_heads, dim]; the request of rows [starts[i], starts[i] + lengths[i])
+    attends to its own rows (SDPA, top-left causal when ``causal``), written into ``out``.
+    """
+    if os.environ.get("CENOTE_DISABLE_KERNELS") == "1":
+        logger.info("attention kernels disabled by CENOTE_DISABLE_KERNELS=1")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        source = _SOURCE.read_text()
+        # -march=native: the build is only valid on this CPU kind (and this torch)
+        identity = "\n".join([source, torch.__version__, *_FLAGS, _cpu_identity()])
+        name = "cenote_attention_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
+        build_dir = kernel_cache_dir() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_lock(build_dir / "lock")
+        load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+        ops = torch.ops.cenote_attention
+        ops.paged_attention  # noqa: B018  (resolving the op checks the library registered it)
+    except Exception as error:  # any build or load failure: fall back, say why once
+        message = str(error).strip()
+        logger.warning(
+            "attention kernels unavailable, attention loops over requests and gathers KV "
+            "blocks instead: %s",
+            message.splitlines()[-1] if message else type(error).__name__,
+        )
+        return None
+    _register_fakes()
+    return ops
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """torch waits forever on the build lock of a build that was killed; a build takes well
+    under a minute, so a lock older than ``_STALE_LOCK_S`` is one nobody will release."""
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _register_fakes() -> None:
+    """Shape functions, so the ops can sit inside a traced or compiled graph."""
+
+    @torch.library.register_fake("cenote_attention::paged_attention")  # type: ignore[untyped-decorator]
+    def _paged(q: torch.Tensor, *args: object) -> torch.Tensor:
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("cenote_attention::varlen_attention")  # type: ignore[untyped-decorator]
+    def _varlen(*args: object) -> None:
+        return None
+
+
+def _cpu_identity() -> str:
+    """The CPU model and flags (what ``-march=native`` compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))

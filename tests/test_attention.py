@@ -1,0 +1,324 @@
+"""``Attention`` on random tensors against per-request reference attention, each case through
+the C++ kernels and through the Python fallback: encoder batches (plain, key masks, additive
+biases, sliding windows, softcap, causal, GQA; a request's rows independent of its batch) and
+paged decode (fp32, bf16, GQA, windows, softcap); the kernels' input checks, and the fallback
+with a log line when they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cenote.forward_context import AttentionMetadata, forward_context
+from cenote.models.layers import attention as attention_module
+from cenote.models.layers import attention_kernels
+from cenote.models.layers.attention import Attention, kv_cache_shape
+from cenote.models.layers.attention_plan import paged_plan
+
+ATOL_FP32 = 1e-5  # DESIGN.md §3: batch invariance, fp32
+ATOL_BF16 = 2e-2  # one bf16 rounding of outputs of magnitude ~1
+HEADS, KV_HEADS, DIM = 4, 2, 16
+BLOCK_SIZE = 4
+# mixed lengths, some repeated and not adjacent, one request much longer than the rest
+LENGTHS = [5, 17, 5, 1, 33, 17, 2, 9, 120, 9, 5]
+
+
+def _reference(q, k, v, scale, *, causal=False, window=None, softcap=None, bias=None, keep=None):
+    """Dense attention of one request: q [n, heads, dim], k/v [m, kv_heads, dim], queries at
+    the last n positions of m; bias [heads, n, m] additive; keep [m] bool visible keys."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    n, m = q.shape[0], k.shape[0]
+    query_pos = torch.arange(m - n, m).unsqueeze(1)
+    distance = query_pos - torch.arange(m).unsqueeze(0)
+    allowed = torch.ones(n, m, dtype=torch.bool)
+    if causal:
+        allowed &= distance >= 0
+    if window is not None:
+        allowed &= distance.abs() < window
+    if keep is not None:
+        allowed &= keep.unsqueeze(0)
+    if bias is not None:
+        scores = scores + bias.double()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
+
+
+def _random_stream(lengths, heads=HEADS, kv_heads=KV_HEADS, seed=0, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, heads * DIM, generator=generator).to(dtype)
+    k = torch.randn(total, kv_heads * DIM, generator=generator).to(dtype)
+    v = torch.randn(total, kv_heads * DIM, generator=generator).to(dtype)
+    loc = [0]
+    for n in lengths:
+        loc.append(loc[-1] + n)
+    return q, k, v, loc
+
+
+def _per_request(q, k, v, loc, heads, kv_heads, bias_of=None, keep_all=None, **options):
+    """The stream's requests one by one through ``_reference``; [num_tokens, heads * dim]."""
+    parts = []
+    for i in range(len(loc) - 1):
+        rows = slice(loc[i], loc[i + 1])
+        parts.append(
+            _reference(
+                q[rows].view(-1, heads, DIM),
+                k[rows].view(-1, kv_heads, DIM),
+                v[rows].view(-1, kv_heads, DIM),
+                DIM**-0.5,
+                bias=None if bias_of is None else bias_of(loc[i + 1] - loc[i]),
+                keep=None if keep_all is None else keep_all[rows],
+                **options,
+            )
+        )
+    return torch.cat(parts).reshape(q.shape[0], -1).float()
+
+
+# ---- encoder batches -------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["kernel", "loop"])
+def encoder_path(request, monkeypatch) -> str:
+    """Run the test through the varlen kernel, then through the Python loop fallback."""
+    if request.param == "kernel" and attention_kernels.attention_ops() is None:
+        pytest.fail("the attention kernels did not build on this machine")
+    if request.param == "loop":
+        monkeypatch.setattr(attention_module, "attention_ops", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(causal=True),
+        dict(sliding_window=4),
+        dict(sliding_window=4, causal=True),
+        dict(sliding_window=200),  # wider than every request: the kernel applies
+        dict(softcap=3.0),
+        dict(softcap=3.0, sliding_window=6, causal=True),
+        dict(kv_heads=1, causal=True),
+    ],
+    ids=["plain", "causal", "window", "causal-window", "wide-window", "softcap", "all", "gqa"],
+)
+def test_encoder_batch_matches_per_request_attention(options, encoder_path) -> None:
+    causal = options.pop("causal", False)
+    kv_heads = options.pop("kv_heads", KV_HEADS)
+    q, k, v, loc = _random_stream(LENGTHS, kv_heads=kv_heads)
+    attention = Attention(HEADS, DIM, kv_heads, 0, DIM**-0.5, **options)
+    with forward_context(AttentionMetadata(loc, LENGTHS, causal=causal)):
+        got = attention(q, k, v)
+    expected = _per_request(
+        q,
+        k,
+        v,
+        loc,
+        HEADS,
+        kv_heads,
+        causal=causal,
+        window=options.get("sliding_window"),
+        softcap=options.get("softcap"),
+    )
+    torch.testing.assert_close(got, expected, atol=ATOL_FP32, rtol=0)
+
+
+def test_encoder_mask_fn_key_mask_and_bias(encoder_path) -> None:
+    """``mask_fn`` gets runs of equal-length requests as slices of the stream: a bool key mask
+    indexed by row and an additive per-length bias land on the right requests."""
+    q, k, v, loc = _random_stream(LENGTHS, heads=HEADS, kv_heads=HEADS, seed=1)
+    hidden = torch.rand(loc[-1], generator=torch.Generator().manual_seed(2)) < 0.2
+    hidden[torch.tensor(loc[:-1])] = False  # every request keeps a visible key
+    visible = ~hidden
+    attention = Attention(HEADS, DIM, HEADS, 0, DIM**-0.5)
+
+    def key_mask(rows: slice, num_requests: int, length: int) -> torch.Tensor:
+        return visible[rows].view(num_requests, 1, 1, length)
+
+    def relative_bias(length: int) -> torch.Tensor:
+        positions = torch.arange(length)
+        return (positions[None, :] - positions[:, None]).float().abs().neg().mul(0.3)
+
+    def bias(rows: slice, num_requests: int, length: int) -> torch.Tensor:
+        return relative_bias(length).expand(HEADS, length, length)
+
+    metadata = AttentionMetadata(loc, LENGTHS, causal=False)
+    with forward_context(metadata):
+        masked = attention(q, k, v, key_mask)
+        biased = attention(q, k, v, bias)
+    expected = _per_request(q, k, v, loc, HEADS, HEADS, keep_all=visible)
+    torch.testing.assert_close(masked, expected, atol=ATOL_FP32, rtol=0)
+    expected = _per_request(
+        q, k, v, loc, HEADS, HEADS, bias_of=lambda n: relative_bias(n).expand(HEADS, n, n)
+    )
+    torch.testing.assert_close(biased, expected, atol=ATOL_FP32, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_encoder_row_is_independent_of_its_batch(dtype, encoder_path) -> None:
+    """A request alone and inside a batch of many (the kernel then spreads requests over the
+    threads) gets the same rows: bit for bit, each request is SDPA's on it alone."""
+    lengths = LENGTHS * 4
+    q, k, v, loc = _random_stream(lengths, seed=3, dtype=dtype)
+    attention = Attention(HEADS, DIM, KV_HEADS, 0, DIM**-0.5)
+    with forward_context(AttentionMetadata(loc, lengths, causal=False)):
+        batched = attention(q, k, v)
+    for i, n in enumerate(lengths):
+        rows = slice(loc[i], loc[i + 1])
+        with forward_context(AttentionMetadata([0, n], [n], causal=False)):
+            alone = attention(q[rows], k[rows], v[rows])
+        torch.testing.assert_close(batched[rows], alone, atol=0, rtol=0)
+
+
+def test_varlen_kernel_rejects_bad_rows() -> None:
+    ops = attention_kernels.attention_ops()
+    if ops is None:
+        pytest.fail("the attention kernels did not build on this machine")
+    q = torch.zeros(10, HEADS, DIM)
+    with pytest.raises(RuntimeError, match=r"request 1 rows \[8, 12\) outside the 10 rows"):
+        ops.varlen_attention(q, q, q, torch.empty_like(q), [0, 8], [8, 4], 1.0, False)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        ops.varlen_attention(q, q[:5], q[:5], torch.empty_like(q), [0], [5], 1.0, False)
+
+
+# ---- paged decode ----------------------------------------------------------------------------
+
+
+def _decode_step(seq_lens, dtype, kv_heads=KV_HEADS, seed=0):
+    """KV caches filled at random and a step whose requests each decode one token, with
+    shuffled, non-contiguous block tables."""
+    generator = torch.Generator().manual_seed(seed)
+    widths = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(widths) + 3
+    ids = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, used = [], 0
+    for width in widths:
+        tables.append(ids[used : used + width])
+        used += width
+    cache = torch.randn(kv_cache_shape(num_blocks, BLOCK_SIZE, kv_heads, DIM), generator=generator)
+    cache = cache.to(dtype)
+    q = torch.randn(len(seq_lens), HEADS * DIM, generator=generator).to(dtype)
+    k = torch.randn(len(seq_lens), kv_heads * DIM, generator=generator).to(dtype)
+    v = torch.randn(len(seq_lens), kv_heads * DIM, generator=generator).to(dtype)
+    slots = [
+        t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+        for t, n in zip(tables, seq_lens, strict=True)
+    ]
+    metadata = AttentionMetadata(
+        list(range(len(seq_lens) + 1)),
+        list(seq_lens),
+        causal=True,
+        slot_mapping=torch.tensor(slots),
+        block_tables=tables,
+        block_size=BLOCK_SIZE,
+        kv_caches=[cache],
+    )
+    return q, k, v, metadata
+
+
+def _decode_reference(q, metadata, kv_heads, window=None, softcap=None):
+    cache = metadata.kv_caches[0].float()
+    rows = []
+    for i, (table, n) in enumerate(zip(metadata.block_tables, metadata.seq_lens, strict=True)):
+        keys = cache[0][:, table].reshape(kv_heads, -1, DIM)[:, :n].transpose(0, 1)
+        values = cache[1][:, table].reshape(kv_heads, -1, DIM)[:, :n].transpose(0, 1)
+        rows.append(
+            _reference(
+                q[i : i + 1].float().view(1, HEADS, DIM),
+                keys,
+                values,
+                DIM**-0.5,
+                causal=True,
+                window=window,
+                softcap=softcap,
+            )
+        )
+    return torch.cat(rows).reshape(len(rows), -1).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(sliding_window=6), dict(softcap=2.0), dict(kv_heads=HEADS)],
+    ids=["gqa", "window", "softcap", "mha"],
+)
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gather"])
+def test_decode_matches_reference(dtype, options, kernel, monkeypatch) -> None:
+    if kernel and attention_kernels.attention_ops() is None:
+        pytest.fail("the attention kernels did not build on this machine")
+    if not kernel:
+        monkeypatch.setattr(attention_module, "attention_ops", lambda: None)
+    kv_heads = options.pop("kv_heads", KV_HEADS)
+    seq_lens = [1, 3, 4, 5, 17, 40, 9]
+    q, k, v, metadata = _decode_step(seq_lens, dtype, kv_heads)
+    attention = Attention(HEADS, DIM, kv_heads, 0, DIM**-0.5, **options)
+    with forward_context(metadata):
+        got = attention(q, k, v)
+    assert got.dtype == dtype
+    expected = _decode_reference(
+        q, metadata, kv_heads, options.get("sliding_window"), options.get("softcap")
+    )
+    atol = ATOL_FP32 if dtype == torch.float32 else ATOL_BF16
+    torch.testing.assert_close(got.float(), expected, atol=atol, rtol=0)
+
+
+def test_decode_kernel_equals_gather_fp32(monkeypatch) -> None:
+    """Kernel and gather fallback agree within 1e-5 (fp32)."""
+    q, k, v, metadata = _decode_step([7, 30, 2, 64], torch.float32, seed=4)
+    attention = Attention(HEADS, DIM, KV_HEADS, 0, DIM**-0.5)
+    with forward_context(metadata):
+        with_kernel = attention(q, k, v)
+    monkeypatch.setattr(attention_module, "attention_ops", lambda: None)
+    with forward_context(metadata):
+        gathered = attention(q, k, v)
+    torch.testing.assert_close(with_kernel, gathered, atol=ATOL_FP32, rtol=0)
+    plan = paged_plan(metadata)
+    assert plan.all_decode and plan.decode_ends.tolist() == [7, 30, 2, 64]
+
+
+def test_paged_kernel_rejects_bad_input() -> None:
+    ops = attention_kernels.attention_ops()
+    if ops is None:
+        pytest.fail("the attention kernels did not build on this machine")
+    op = ops.paged_attention
+    cache = torch.zeros(kv_cache_shape(2, BLOCK_SIZE, KV_HEADS, DIM))
+    q = torch.zeros(1, HEADS, DIM)
+    table, starts, ends = (
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.zeros(1).long(),
+        torch.ones(1).long(),
+    )
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        op(q.double(), cache, table, starts, ends, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="block_tables must be int64"):
+        op(q, cache, table.int(), starts, ends, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="head counts"):
+        op(torch.zeros(1, 3, DIM), cache, table, starts, ends, 1.0, 0.0)
+
+
+def test_kernel_build_failure_falls_back_with_a_log_line(tmp_path, monkeypatch, caplog) -> None:
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(attention_kernels, "_SOURCE", broken)
+    monkeypatch.setenv("CENOTE_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger=attention_kernels.__name__):
+        assert attention_kernels.attention_ops.__wrapped__() is None
+    assert "attention kernels unavailable" in caplog.text
+
+
+@torch.inference_mode()
+def test_encoder_kernel_under_inference_mode() -> None:
+    """The runner calls the model under ``torch.inference_mode``: the kernel's worker threads
+    must see it too (they write into an inference tensor)."""
+    lengths = LENGTHS * 4
+    q, k, v, loc = _random_stream(lengths, seed=5)
+    attention = Attention(HEADS, DIM, KV_HEADS, 0, DIM**-0.5)
+    with forward_context(AttentionMetadata(loc, lengths, causal=False)):
+        got = attention(q, k, v)
+    expected = _per_request(q, k, v, loc, HEADS, KV_HEADS)
+    torch.testing.assert_close(got, expected, atol=ATOL_FP32, rtol=0)
