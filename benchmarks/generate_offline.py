@@ -24,6 +24,7 @@ import torch
 
 from cenote import LLM, SamplingParams
 from cenote.models.gguf_loader import find_smollm2_gguf
+from cenote.sampling_params import RequestOutputKind
 
 _TOPICS = [
     "the history of the printing press",
@@ -81,26 +82,20 @@ def bench_cenote(path, dtype: str, prompts: list[str], max_tokens: int, threads:
 def time_to_first_token(llm: LLM, prompts: list[str], max_tokens: int) -> list[float]:
     """Submit every prompt at once, step the engine by hand, and time each request's first token
     (from submission); the requests are aborted once all have one."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    processor = llm.input_processor
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     submitted = time.perf_counter()
-    tokenized = processor.tokenize(prompts, is_pooling=False)
-    ids = []
-    for i, tok in enumerate(tokenized):
-        request = processor.make_request(f"ttft-{submitted}-{i}", tok, sampling_params=params)
-        llm.output_processor.add_generation_request(request.request_id, tok.prompt, [request])
-        llm.engine.add_request(request)
-        ids.append(request.request_id)
+    ids = [f"ttft-{submitted}-{i}" for i in range(len(prompts))]
+    llm.client.add(llm.input_processor.process_batch(ids, prompts, params))
     first: dict[str, float] = {}
     while len(first) < len(ids):
-        step = llm.engine.step()
+        outputs = llm.client.outputs()
         now = time.perf_counter()
-        for out in step.outputs:
-            if out.new_token_ids and out.request_id not in first:
+        for out in outputs:
+            if out.num_generated_tokens and out.request_id not in first:
                 first[out.request_id] = now - submitted
-        llm.output_processor.process_outputs(step.outputs)
-    for request_id in ids:
-        llm.engine.abort_requests(llm.output_processor.abort(request_id))
+    llm.client.abort(ids)
     return [first[i] for i in ids]
 
 

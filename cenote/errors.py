@@ -8,7 +8,12 @@ class CenoteError(Exception):
 
 
 class InvalidInputError(CenoteError, ValueError):
-    """A request the engine cannot serve as given (too long, bad ids, bad options)."""
+    """A request the engine cannot serve as given (too long, bad ids, bad options). ``param``:
+    the request field at fault, when one is (the server reports it)."""
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class InvalidInputTypeError(InvalidInputError, TypeError):

@@ -140,7 +140,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The result (or a streamed snapshot) of one generation request."""
+    """The result of one generation request, or an update of it while it runs: everything so
+    far (``RequestOutputKind.CUMULATIVE``), or only what is new (``DELTA``: ``outputs`` lists
+    the completions with new text or a finish, their new text, tokens and logprobs)."""
 
     request_id: str
     prompt: str | None
@@ -149,4 +151,5 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_generated_tokens: int = 0  # tokens generated so far, all completions (also in DELTA)
     metrics: dict[str, float] = field(default_factory=dict)

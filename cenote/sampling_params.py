@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import Enum, IntEnum
+from typing import Literal
 
 from cenote.errors import InvalidInputError, InvalidInputTypeError
 
@@ -11,6 +12,14 @@ from cenote.errors import InvalidInputError, InvalidInputTypeError
 GREEDY_TEMPERATURE = 1e-5
 # integers cross the process boundary as int64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class RequestOutputKind(Enum):
+    """Which outputs of a generation request the front builds (vLLM's names)."""
+
+    CUMULATIVE = 0  # every update: everything generated so far
+    DELTA = 1  # every update: only what is new since the last one (streaming)
+    FINAL_ONLY = 2  # only the finished result (offline calls, non-streaming answers)
 
 
 class SamplingType(IntEnum):
@@ -30,7 +39,7 @@ class SamplingParams:
     ``stop_token_ids`` to ``list[int]``.
     """
 
-    n: int = 1  # number of completions per prompt
+    n: int = 1  # number of completions per prompt (with a seed, completion i uses seed + i)
     temperature: float = 1.0  # softmax temperature; < 1e-5 means greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
@@ -39,7 +48,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI-style, on output tokens, in [-2, 2]
     frequency_penalty: float = 0.0  # OpenAI-style, per occurrence in output, in [-2, 2]
     seed: int | None = None  # per-request seed: reproducible whatever the batch
-    max_tokens: int = 16  # maximum number of generated tokens
+    max_tokens: int | None = 16  # most tokens to generate; None: what the context has left
     min_tokens: int = 0  # EOS / stop tokens are masked until this many are generated
     stop: str | list[str] | None = None  # stop strings (excluded from output by default)
     stop_token_ids: list[int] | None = None  # extra token ids that end generation
@@ -50,6 +59,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     detokenize: bool = True  # produce text at all
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI)
+    truncate_prompt_tokens: int | None = None  # keep this many (-1: the model's limit)
+    truncation_side: Literal["left", "right"] = "left"  # which end of the prompt truncation cuts
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # which outputs are built
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
@@ -61,11 +73,18 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and value of the first invalid setting."""
         _check(self.n >= 1, f"n must be at least 1, got {self.n}")
-        _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            f"max_tokens must be at least 1, got {self.max_tokens}",
+        )
         _check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
         _check(
-            self.min_tokens <= self.max_tokens,
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+        )
+        _check(
+            self.truncation_side in ("left", "right"),
+            f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}",
         )
         _check(self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")

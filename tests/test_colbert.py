@@ -137,10 +137,17 @@ def test_documents_match_reference(colbert) -> None:
     assert not keep.all()  # the last document has punctuation rows (zeros)
 
 
+def _format_queries(llm):
+    """The queries as the engine formats them (role "query")."""
+    ids = [f"q{i}" for i in range(len(QUERIES))]
+    params = PoolingParams(task="token_embed")
+    return llm.input_processor.process_batch(ids, QUERIES, params, role="query")
+
+
 def test_queries_match_reference(colbert) -> None:
     """Queries formatted by the engine (role "query"), embedded as token ids."""
     _, llm, reference = colbert
-    formatted = llm.input_processor.tokenize(QUERIES, role="query")
+    formatted = _format_queries(llm)
     outputs = _token_embed(llm, [{"prompt_token_ids": f.prompt_token_ids} for f in formatted])
     for out, text in zip(outputs, QUERIES, strict=True):
         ids, expected = reference.query(text)
@@ -168,7 +175,7 @@ def test_score_matches_colbert_score(colbert) -> None:
 
 def test_batch_invariance(colbert) -> None:
     _, llm, _ = colbert
-    formatted = llm.input_processor.tokenize(QUERIES, role="query")
+    formatted = _format_queries(llm)
     prompts = [*DOCUMENTS, *[{"prompt_token_ids": f.prompt_token_ids} for f in formatted]]
     together = _token_embed(llm, prompts)
     for prompt, batched in zip(prompts, together, strict=True):

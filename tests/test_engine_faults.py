@@ -27,7 +27,7 @@ class _FailingExecute:
 def llm(llm_fp32, monkeypatch):
     yield llm_fp32
     assert not llm_fp32.engine.has_unfinished_requests()
-    assert llm_fp32.output_processor.num_unfinished == 0
+    assert llm_fp32.client.num_unfinished == 0
 
 
 def test_failed_step_fails_its_requests_and_the_engine_goes_on(llm, monkeypatch):

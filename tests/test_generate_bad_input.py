@@ -30,7 +30,7 @@ def baseline(llm) -> list[list[int]]:
 
 def _still_works(llm, baseline) -> None:
     assert not llm.engine.has_unfinished_requests()
-    assert llm.output_processor.num_unfinished == 0
+    assert llm.client.num_unfinished == 0
     assert llm.engine.kv_cache_manager.usage == 0.0
     outs = llm.generate(token_prompts(PROMPTS), GOOD, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == baseline

@@ -9,7 +9,6 @@ from factories.decoders import DECODER_FAMILIES, make_decoder
 from factories.generation import make_llm, random_prompts, record_steps, token_prompts
 
 from cenote import PoolingParams, SamplingParams
-from cenote.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput
 
 ATOL = 1e-4
 LOGPROB_ATOL = 1e-5
@@ -37,50 +36,12 @@ def separate(tiny):
     return gens, embeds, default
 
 
-class Driver:
-    """Submits requests through the engine's own parts and steps it by hand."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-        self.finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
-        self.count = 0
-
-    def _id(self, kind: str) -> str:
-        self.count += 1
-        return f"{kind}-{self.count}"
-
-    def add_generation(self, prompt: list[int], params: SamplingParams) -> str:
-        processor = self.llm.input_processor
-        (tok,) = processor.tokenize(token_prompts([prompt]), is_pooling=False)
-        processor.check_sampling_params(params, len(tok.prompt_token_ids), 0)
-        request = processor.make_request(self._id("gen"), tok, sampling_params=params)
-        self.llm.output_processor.add_generation_request(request.request_id, None, [request])
-        self.llm.engine.add_request(request)
-        return request.request_id
-
-    def add_embedding(self, prompt: list[int], params: PoolingParams) -> str:
-        processor = self.llm.input_processor
-        params = params.with_task("embed")
-        processor.check_pooling_params(params)
-        (tok,) = processor.tokenize(token_prompts([prompt]))
-        request = processor.make_request(self._id("emb"), tok, pooling_params=params)
-        self.llm.output_processor.add_pooling_request(request, None, EmbeddingOutput)
-        self.llm.engine.add_request(request)
-        return request.request_id
-
-    def step(self) -> None:
-        step = self.llm.engine.step()
-        outputs, to_abort = self.llm.output_processor.process_outputs(step.outputs)
-        if to_abort:
-            self.llm.engine.abort_requests(to_abort)
-        for output in outputs:
-            if output.finished:
-                self.finished[output.request_id] = output
-
-    def run(self, ids: list[str]) -> list:
-        while not all(i in self.finished for i in ids):
-            self.step()
-        return [self.finished[i] for i in ids]
+def _add(llm, kind: str, prompts: list[list[int]], params) -> list[str]:
+    """Process prompts and add them to the engine through the LLM's own client."""
+    ids = [f"{kind}-{i}" for i in range(len(prompts))]
+    requests = llm.input_processor.process_batch(ids, token_prompts(prompts), params)
+    llm.client.add(requests)
+    return ids
 
 
 def _kinds(step) -> tuple[bool, bool]:
@@ -122,10 +83,10 @@ def test_prefills_of_both_kinds_share_a_step(tiny, separate) -> None:
     folder, _ = tiny
     llm = make_llm(folder, block_size=4, enable_prefix_caching=False)
     steps = record_steps(llm)
-    driver = Driver(llm)
-    gen_ids = [driver.add_generation(p, GEN_PARAMS) for p in GEN_PROMPTS]
-    emb_ids = [driver.add_embedding(p, RAW) for p in EMBED_PROMPTS]
-    gens, embeds = driver.run(gen_ids), driver.run(emb_ids)
+    gen_ids = _add(llm, "gen", GEN_PROMPTS, GEN_PARAMS)
+    emb_ids = _add(llm, "emb", EMBED_PROMPTS, RAW.with_task("embed"))
+    outputs = llm.client.wait(gen_ids + emb_ids)
+    gens, embeds = outputs[: len(gen_ids)], outputs[len(gen_ids) :]
     assert _kinds(steps[0]) == (True, True)
     assert steps[0].total_num_scheduled_tokens == sum(map(len, GEN_PROMPTS + EMBED_PROMPTS))
     _assert_same(gens, embeds, separate)
@@ -139,19 +100,18 @@ def test_embeddings_join_running_decodes(tiny, separate) -> None:
     folder, _ = tiny
     llm = make_llm(folder, block_size=4)
     steps = record_steps(llm)
-    driver = Driver(llm)
-    gen_ids = [driver.add_generation(p, GEN_PARAMS) for p in GEN_PROMPTS]
-    driver.step()  # prefill + first token
-    driver.step()  # a decode step
-    emb_ids = [driver.add_embedding(p, RAW) for p in EMBED_PROMPTS]
-    driver.step()
+    gen_ids = _add(llm, "gen", GEN_PROMPTS, GEN_PARAMS)
+    llm.client.outputs()  # prefill + first token
+    llm.client.outputs()  # a decode step
+    emb_ids = _add(llm, "emb", EMBED_PROMPTS, RAW.with_task("embed"))
+    finished = {out.request_id: out for out in llm.client.outputs() if out.finished}
     mixed = steps[-1]
     decodes = [s for s in mixed.scheduled if s.sampling_params is not None]
     pools = [s for s in mixed.scheduled if s.pooling_params is not None]
     assert len(decodes) == len(GEN_PROMPTS) and all(s.num_tokens == 1 for s in decodes)
     assert len(pools) == len(EMBED_PROMPTS) and all(s.completes_prompt for s in pools)
-    embeds = driver.run(emb_ids)
-    gens = driver.run(gen_ids)
+    embeds = [finished[i] for i in emb_ids]  # pooled in the mixed step
+    gens = llm.client.wait(gen_ids)
     _assert_same(gens, embeds, separate)
 
 
@@ -160,10 +120,10 @@ def test_chunked_embeddings_next_to_decodes(tiny, separate) -> None:
     folder, _ = tiny
     llm = make_llm(folder, block_size=4, max_num_batched_tokens=8, enable_prefix_caching=False)
     steps = record_steps(llm)
-    driver = Driver(llm)
-    gen_ids = [driver.add_generation(p, GEN_PARAMS) for p in GEN_PROMPTS]
-    emb_ids = [driver.add_embedding(p, RAW) for p in EMBED_PROMPTS]
-    gens, embeds = driver.run(gen_ids), driver.run(emb_ids)
+    gen_ids = _add(llm, "gen", GEN_PROMPTS, GEN_PARAMS)
+    emb_ids = _add(llm, "emb", EMBED_PROMPTS, RAW.with_task("embed"))
+    outputs = llm.client.wait(gen_ids + emb_ids)
+    gens, embeds = outputs[: len(gen_ids)], outputs[len(gen_ids) :]
     assert any(
         any(s.sampling_params is not None and s.needs_sample for s in step.scheduled)
         and any(s.pooling_params is not None for s in step.scheduled)

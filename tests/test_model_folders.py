@@ -19,7 +19,6 @@ from factories.texts import random_prompts
 from factories.vocab import BERT_SPECIALS, write_encoder_tokenizer_json, write_tokenizer
 
 from cenote import LLM, PoolingParams
-from cenote.outputs import EmbeddingOutput
 
 NUM_THREADS = 2
 ATOL = 1e-4  # DESIGN.md §3: hidden states vs transformers, fp32
@@ -169,7 +168,7 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class _Driver:
-    """Submits embedding requests through the engine's own parts and steps it by hand."""
+    """Adds embedding requests through the LLM's own client and steps it by hand."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
@@ -177,23 +176,18 @@ class _Driver:
         self.steps: list[list[str]] = []
 
     def add(self, request_id: str, prompt: list[int], priority: int) -> None:
-        processor = self.llm.input_processor
-        params = PoolingParams(normalize=False).with_task("embed")
-        processor.check_pooling_params(params)
-        (tok,) = processor.tokenize([{"prompt_token_ids": prompt}])
-        request = processor.make_request(request_id, tok, pooling_params=params, priority=priority)
-        self.llm.output_processor.add_pooling_request(request, None, EmbeddingOutput)
-        self.llm.engine.add_request(request)
+        params = PoolingParams(task="embed", normalize=False)
+        prompt_ids = {"prompt_token_ids": prompt}
+        request = self.llm.input_processor.process(
+            request_id, prompt_ids, params, priority=priority
+        )
+        self.llm.client.add([request])
 
-    def step(self) -> None:
-        step = self.llm.engine.step()
-        outputs, to_abort = self.llm.output_processor.process_outputs(step.outputs)
-        assert not to_abort
-        self.finish_order += [out.request_id for out in outputs if out.finished]
-
-    def run(self) -> None:
-        while self.llm.engine.has_unfinished_requests():
-            self.step()
+    def run(self, steps: int | None = None) -> None:
+        """Step until nothing is left (or ``steps`` times), noting the order requests finish."""
+        while self.llm.client.num_unfinished and steps != 0:
+            self.finish_order += [out.request_id for out in self.llm.client.outputs()]
+            steps = None if steps is None else steps - 1
 
 
 def _record_scheduled(llm: LLM, steps: list[list[str]]) -> None:
@@ -222,7 +216,7 @@ def test_priority_policy_runs_lowest_value_first_and_fcfs_among_equals(tiny_bert
     prompts = random_prompts([4 + i for i in range(len(submitted))], seed=21)
     for (request_id, priority), prompt in zip(submitted, prompts, strict=True):
         driver.add(request_id, prompt, priority)
-    driver.step()
+    driver.run(steps=1)
     # a late arrival with the best priority overtakes everything still waiting
     driver.add("late", prompts[0], -1)
     driver.run()

@@ -47,6 +47,7 @@ def test_pooling_lines_equal_offline_and_bad_lines_fail_alone(llm_fp32, tmp_path
         _line("other-model", "/v1/embeddings", {"input": "x", "model": "nope"}),
         _line("score", "/v1/score", {"text_1": "cats", "text_2": texts}),
         _line("rerank", "/v1/rerank", {"query": "dogs", "documents": texts, "top_n": 1}),
+        _line("long-doc", "/v1/rerank", {"query": "dogs", "documents": ["dogs", LONG_TEXT]}),
         _line("truncated", "/v1/embeddings", {"input": LONG_TEXT, "truncate_prompt_tokens": -1}),
         json.dumps({"method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}),
     ]
@@ -71,6 +72,9 @@ def test_pooling_lines_equal_offline_and_bad_lines_fail_alone(llm_fp32, tmp_path
     assert [r["index"] for r in rerank] == [best]
     assert rerank[0]["document"] == {"text": texts[best]}
     assert by_id["truncated"]["response"]["status_code"] == 200
+    # rerank cuts documents to fit the model, as the route does
+    assert by_id["long-doc"]["response"]["status_code"] == 200
+    assert len(by_id["long-doc"]["response"]["body"]["results"]) == 2
 
     # bad lines: their own status and a message naming the line and the reason
     def error(result: dict) -> tuple[int, str]:
@@ -113,6 +117,8 @@ def test_generation_lines_equal_offline(tmp_path):
         _line("too-many", "/v1/completions", {"prompt": prompt, "max_tokens": 10_000}),
         _line("stream", "/v1/completions", {"prompt": prompt, "stream": True}),
         _line("logprobs", "/v1/chat/completions", {"messages": messages, "logprobs": True}),
+        _line("cut", "/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                         "truncate_prompt_tokens": 2}),
     ]  # fmt: skip
     results = {r["custom_id"]: r for r in _run(llm, tmp_path, lines)}
 
@@ -133,6 +139,13 @@ def test_generation_lines_equal_offline(tmp_path):
     assert "max_model_len" in results["too-many"]["error"]["message"]
     assert "stream" in results["stream"]["error"]["message"]
     assert "logprobs" in results["logprobs"]["error"]["message"]
+    # the routes' translation: truncation travels in the params (generation keeps the end)
+    cut = SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=2)
+    (expected_cut,) = llm.generate([prompt], cut, use_tqdm=False)
+    body = results["cut"]["response"]["body"]
+    assert body["usage"]["prompt_tokens"] == 2
+    assert body["choices"][0]["text"] == expected_cut.outputs[0].text
+    assert expected_cut.prompt_token_ids == llm.tokenizer.encode(prompt).ids[-2:]
 
 
 def test_cli_writes_output_and_names_a_missing_file(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from factories.encoders import make_encoder_classifier
 from factories.seeded import set_config
 
-from cenote import LLM
+from cenote import LLM, PoolingParams
 from cenote.errors import InvalidInputError
 
 ATOL = 1e-4
@@ -73,6 +73,18 @@ def test_cross_encoder_identity_activation_from_config(
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
     with_sigmoid = [o.outputs.score for o in cross_llm.score(QUERY, DOCUMENTS)]
     np.testing.assert_allclose(1 / (1 + np.exp(-np.array(got))), with_sigmoid, atol=ATOL)
+
+
+def test_use_activation_false_gives_the_raw_logit(cross_llm) -> None:
+    """LLM.score takes the pooling params the routes take: use_activation=False skips the
+    cross-encoder's sigmoid."""
+    activated = [o.outputs.score for o in cross_llm.score(QUERY, DOCUMENTS)]
+    raw = cross_llm.score(QUERY, DOCUMENTS, PoolingParams(use_activation=False))
+    logits = torch.tensor([o.outputs.score for o in raw])
+    torch.testing.assert_close(torch.sigmoid(logits), torch.tensor(activated), atol=1e-6, rtol=0)
+    assert (logits < 0).any() or (logits > 1).any()  # not probabilities
+    with pytest.raises(InvalidInputError, match="pooling params are for task 'embed'"):
+        cross_llm.score(QUERY, DOCUMENTS, PoolingParams(task="embed"))
 
 
 def test_pair_tokens_and_document_truncation(cross_llm) -> None:

@@ -208,7 +208,8 @@ def test_engine_death_fails_fast_and_exits_nonzero():
         thread.join(10)
         assert time.monotonic() - killed_at < 5
         response = result["response"]
-        assert response.status_code == 500 and "engine" in response.json()["error"]["message"]
+        assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
+        assert response.headers["Retry-After"] == "1"
         assert httpx.get(f"{server.url}/health").status_code == 503
         assert server.process.wait(20) != 0
     finally:

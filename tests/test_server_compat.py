@@ -211,7 +211,9 @@ def test_auto_truncate_embeddings(minilm) -> None:
 
 def test_chat_on_an_embedding_model_says_it_does_not_generate(minilm) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}]}
-    error = _error(minilm.post("/v1/chat/completions", json=body), 400, "does not generate")
+    error = _error(
+        minilm.post("/v1/chat/completions", json=body), 400, "task 'generate' is not supported"
+    )
     assert error["param"] == "model"
 
 
@@ -249,6 +251,27 @@ def test_rerank_cuts_documents_to_fit_and_says_so(minilm) -> None:
     _error(minilm.post("/rerank", json={**body, "query": LONG_TEXT}), 400, "query 0 has 302")
     score = {"text_1": "a", "text_2": ["b", "c", "d", LONG_TEXT]}
     _error(minilm.post("/score", json=score), 400, "document 3 has 302 tokens")
+
+
+def test_score_takes_truncation_side_as_llm_score_does(minilm, llm_fp32) -> None:
+    """/score and LLM.score share the plan and the params: truncation_side cuts documents
+    from the side asked, with the same numbers."""
+    from cenote import PoolingParams
+
+    document = "cats nap all day " * 4 + "paris is in france"
+    scores = {}
+    for side in ("left", "right"):
+        body = {"queries": "where is paris", "documents": [document],
+                "truncate_prompt_tokens": 8, "truncation_side": side}  # fmt: skip
+        response = minilm.post("/score", json=body)
+        assert response.status_code == 200, response.text
+        scores[side] = response.json()["data"][0]["score"]
+        params = PoolingParams(truncate_prompt_tokens=8, truncation_side=side)
+        (offline,) = llm_fp32.score("where is paris", document, params, use_tqdm=False)
+        assert scores[side] == pytest.approx(offline.outputs.score, abs=1e-5)
+    assert scores["left"] > scores["right"] + 0.05  # the end of the document names paris
+    bad = minilm.post("/score", json={"text_1": "a", "text_2": "b", "truncation_side": "up"})
+    _error(bad, 400, "truncation_side")
 
 
 def test_invocations_dispatch_by_body(minilm) -> None:

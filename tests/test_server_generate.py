@@ -173,6 +173,18 @@ def test_embeddings_of_chat_messages_equal_offline(chat_server, offline_llm):
     assert max(abs(a - b) for a, b in zip(served, expected.outputs.embedding, strict=True)) < 1e-5
 
 
+def test_chat_template_kwargs_may_not_set_request_fields(chat_server):
+    """The template's own arguments come from the request's fields, not from its kwargs (a
+    duplicate was a TypeError and a 500)."""
+    server, _ = chat_server
+    body = {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 2,
+            "chat_template_kwargs": {"continue_final_message": True}}  # fmt: skip
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "chat_template_kwargs may not set continue_final_message" in message
+
+
 def test_streamed_text_with_a_stop_string_equals_the_full_text(llama_server):
     """Streaming holds back only what could still become a stop string, and never shows it."""
     body = {"prompt": "w5 w6 w7", "max_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from factories.texts import PROSE
 
-from cenote import LLM, SamplingParams
+from cenote import LLM, PoolingParams, SamplingParams
 
 pytestmark = pytest.mark.load
 
@@ -83,7 +83,8 @@ def test_pooling_routes_under_load_equal_the_offline_engine(default_server, llm_
 
     # the offline engine, fp32, same options: one batch of every text, one score call per pair
     embedding = dict(zip(texts, (o.outputs.data.float() for o in llm_fp32.embed(texts)), strict=True))  # fmt: skip
-    tokens = {t: llm_fp32.input_processor.tokenize([t])[0].prompt_token_ids for t in texts}
+    embed = PoolingParams(task="embed")
+    tokens = {t: llm_fp32.input_processor.process(t, t, embed).prompt_token_ids for t in texts}
     for (path, body), answer in zip(requests, answers, strict=True):
         if path == "/v1/embeddings":
             got = torch.tensor([item["embedding"] for item in answer["data"]])

@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from tokenizers import Tokenizer
 
+from cenote import PoolingParams
+
 TEXTS = ["one two three four five six seven eight nine ten " * 3, "short", "a b c d e f g h"]
 
 
@@ -18,21 +20,26 @@ def test_truncation_equals_the_tokenizers_own(llm_fp32, minilm_path, side, add_s
     reference.no_padding()
     reference.enable_truncation(7, direction=side)
     expected = [e.ids for e in reference.encode_batch(TEXTS, add_special_tokens=add_special_tokens)]
-    got = llm_fp32.input_processor.tokenize(
-        TEXTS, 7, truncation_side=side, add_special_tokens=add_special_tokens, is_pooling=False
+    params = PoolingParams(task="embed", truncate_prompt_tokens=7, truncation_side=side)
+    ids = [str(i) for i in range(len(TEXTS))]
+    got = llm_fp32.input_processor.process_batch(
+        ids, TEXTS, params, add_special_tokens=add_special_tokens
     )
-    assert [t.prompt_token_ids for t in got] == expected
+    assert [r.prompt_token_ids for r in got] == expected
 
 
 def test_concurrent_tokenization_with_and_without_truncation(llm_fp32):
     processor = llm_fp32.input_processor
     long_text = "word " * 400
-    full = processor.tokenize([long_text], -1)[0].prompt_token_ids
-    cut = processor.tokenize([long_text], 16)[0].prompt_token_ids
+
+    def tokens(limit: int) -> list[int]:
+        params = PoolingParams(task="embed", truncate_prompt_tokens=limit)
+        return processor.process("r", long_text, params).prompt_token_ids
+
+    full, cut = tokens(-1), tokens(16)
 
     def one(i: int) -> list[int]:
-        limit = 16 if i % 2 else -1
-        return processor.tokenize([long_text], limit)[0].prompt_token_ids
+        return tokens(16 if i % 2 else -1)
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(200)))

@@ -1,8 +1,8 @@
-"""Run parsed batch lines through the offline ``LLM`` and shape their response bodies as the
-HTTP routes do. Each line is validated and tokenized on its own (so a bad line fails alone);
-then all embedding lines of a chunk run as one ``LLM.embed`` call and all completion / chat lines
-as one ``LLM.generate`` call, so the engine sees full batches. Score and rerank lines run one
-``LLM.score`` call each."""
+"""Run parsed batch lines through the offline ``LLM``'s input processor and engine client, and
+shape their response bodies as the HTTP routes do. A line's body is translated by the same
+``protocol`` methods the routes use and processed on its own (so a bad line fails alone); then
+all embedding lines of a chunk run together, and all completion / chat lines, so the engine sees
+full batches. Score and rerank lines are planned as the routes plan them and run one by one."""
 
 from __future__ import annotations
 
@@ -12,13 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cenote.batch.lines import BatchLine, LineError
-from cenote.engine.chat import render_chat, special_token_variables
-from cenote.engine.input_processor import PromptType, TokenizedPrompt
+from cenote.engine.input_processor import ParentRequest
+from cenote.engine.scoring import pair_texts, plan_scores
 from cenote.entrypoints.llm import LLM
-from cenote.errors import InvalidInputError
 from cenote.outputs import RequestOutput
-from cenote.pooling_params import PoolingParams
-from cenote.sampling_params import SamplingParams
 from cenote.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,21 +32,19 @@ UNTRANSLATED = frozenset(
         "tool_choice", "functions", "function_call",
     }
 )  # fmt: skip
-SCORE_FIELDS = (("queries", "documents"), ("data_1", "data_2"), ("text_1", "text_2"))
 
 
 @dataclass
 class PoolingTask:
     line: BatchLine
-    prompts: list[dict[str, Any]]  # tokenized: {"prompt", "prompt_token_ids"}
-    params: PoolingParams
+    requests: list[ParentRequest]  # processed: validated and tokenized
 
 
 @dataclass
 class GenerationTask:
     line: BatchLine
-    prompts: list[dict[str, Any]]
-    params: SamplingParams
+    requests: list[ParentRequest]
+    n: int  # completions per prompt
 
 
 @dataclass
@@ -67,7 +62,6 @@ class BatchHandlers:
         self.llm = llm
         self.processor = llm.input_processor
         self.model_config = llm.config.model
-        self.template_tokens = special_token_variables(llm.tokenizer, self.model_config.hf_config)
 
     # ---- 1) prepare: every check a route makes, line by line --------------------------------
 
@@ -87,11 +81,6 @@ class BatchHandlers:
         if isinstance(body, CompletionRequest | ChatCompletionRequest):
             return self._prepare_generation(line, body)
         assert isinstance(body, ScoreRequest | RerankRequest)
-        if body.use_activation is not None:
-            raise LineError(
-                f"line {line.number}: use_activation is not supported for scoring by run-batch "
-                "(LLM.score applies the model's default activation)"
-            )
         return ScoringTask(line)
 
     def _check_model(self, model: str | None) -> None:
@@ -104,121 +93,74 @@ class BatchHandlers:
             )
 
     def _prepare_embedding(self, line: BatchLine, body: EmbeddingRequest) -> PoolingTask:
-        fields = body.model_dump()
         if (
             body.encoding_format not in ("float", "base64")
-            or fields.get("embed_dtype") not in (None, "float32")
-            or fields.get("endianness") not in (None, "native", "little")
+            or body.embed_dtype != "float32"
+            or body.endianness not in ("native", "little")
         ):
             raise LineError(
                 f"line {line.number}: run-batch writes float32 embeddings as floats or "
                 "little-endian base64 (encoding_format float | base64)"
             )
-        side = fields.get("truncation_side") or "right"
-        params = PoolingParams(
-            task="embed", dimensions=body.dimensions, normalize=body.normalize,
-            use_activation=body.use_activation, truncate_prompt_tokens=body.truncate_prompt_tokens,
-            truncation_side=side,
+        prompts = body.prompts()
+        requests = self.processor.process_batch(
+            _ids(line, len(prompts)), prompts, body.to_pooling_params("embed"),
+            add_special_tokens=body.add_special_tokens,
         )  # fmt: skip
-        self.processor.check_pooling_params(params)
-        is_chat = body.messages is not None and body.input is None
-        if is_chat:
-            prompts: list[PromptType] = [self._render(body.messages, False, {})]
-        else:
-            prompts = _prompts_from(body.input if body.messages is None else None)
-        add_special_tokens = fields.get("add_special_tokens")
-        if add_special_tokens is None:  # as the server: yes for input, no for messages
-            add_special_tokens = not is_chat
-        tokenized = self.processor.tokenize(
-            prompts, body.truncate_prompt_tokens, side, add_special_tokens=add_special_tokens
-        )
-        return PoolingTask(line, _as_token_prompts(tokenized), params)
+        return PoolingTask(line, requests)
 
     def _prepare_generation(
         self, line: BatchLine, body: CompletionRequest | ChatCompletionRequest
     ) -> GenerationTask:
         if body.stream:
             raise LineError(f"line {line.number}: stream is not available in a batch file")
-        chat = isinstance(body, ChatCompletionRequest)
-        if body.model_dump().get("truncate_prompt_tokens") is not None:
-            raise LineError(
-                f"line {line.number}: truncate_prompt_tokens not supported by run-batch"
-            )
-        if chat:
-            text = self._render(
-                body.messages, body.add_generation_prompt, body.chat_template_kwargs or {}
-            )
-            tokenized = self.processor.tokenize([text], add_special_tokens=False, is_pooling=False)
-            max_tokens = body.max_completion_tokens or body.max_tokens
-        else:
-            tokenized = self.processor.tokenize(_prompts_from(body.prompt), is_pooling=False)
-            max_tokens = body.max_tokens
-        if not max_tokens:  # the context left after the longest prompt, as the routes do
-            longest = max(len(t.prompt_token_ids) for t in tokenized)
-            max_tokens = max(self.model_config.max_model_len - longest, 1)
-        params = SamplingParams(
-            n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            seed=body.seed, max_tokens=max_tokens,
-            min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output,
+        prompts = body.prompts()
+        requests = self.processor.process_batch(
+            _ids(line, len(prompts)), prompts, body.to_sampling_params(),
+            add_special_tokens=body.add_special_tokens,
+            default_max_tokens=body.default_max_tokens,
         )  # fmt: skip
-        for i, tok in enumerate(tokenized):
-            self.processor.check_sampling_params(params, len(tok.prompt_token_ids), i)
-        return GenerationTask(line, _as_token_prompts(tokenized), params)
-
-    def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
-        variables = {**self.template_tokens, **kwargs}
-        return render_chat(self.llm.chat_template, messages, add_generation_prompt, **variables)
+        return GenerationTask(line, requests, body.n)
 
     # ---- 2) run: one engine call per kind; 3) shape the bodies -------------------------------
 
     def run_pooling(self, tasks: list[PoolingTask]) -> list[dict[str, Any]]:
-        prompts = [p for t in tasks for p in t.prompts]
-        params = [t.params for t in tasks for _ in t.prompts]
-        outputs = self.llm.embed(prompts, params, use_tqdm=False)
-        bodies, start = [], 0
-        for task in tasks:
-            mine = outputs[start : start + len(task.prompts)]
-            start += len(task.prompts)
-            bodies.append(self._embedding_body(task.line.body, mine))
-        return bodies
+        return [
+            self._embedding_body(task.line.body, outputs)
+            for task, outputs in zip(tasks, self._run(tasks), strict=True)
+        ]
 
     def run_generation(self, tasks: list[GenerationTask]) -> list[dict[str, Any]]:
-        prompts = [p for t in tasks for p in t.prompts]
-        params = [t.params for t in tasks for _ in t.prompts]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        bodies, start = [], 0
+        return [
+            self._generation_body(task, outputs)
+            for task, outputs in zip(tasks, self._run(tasks), strict=True)
+        ]
+
+    def _run(self, tasks: list[PoolingTask] | list[GenerationTask]) -> list[list]:
+        """Every task's requests in one engine run; each task's outputs."""
+        outputs = self.llm.client.run([r for t in tasks for r in t.requests])
+        per_task, start = [], 0
         for task in tasks:
-            mine = outputs[start : start + len(task.prompts)]
-            start += len(task.prompts)
-            bodies.append(self._generation_body(task, mine))
-        return bodies
+            per_task.append(outputs[start : start + len(task.requests)])
+            start += len(task.requests)
+        return per_task
 
     def run_scoring(self, task: ScoringTask) -> dict[str, Any]:
         body = task.line.body
-        if isinstance(body, ScoreRequest):
-            text_1, text_2 = _score_texts(body)
-        else:
-            text_1, text_2 = body.query, body.document_texts
-            if not text_2:
-                raise InvalidInputError("rerank needs at least one document, got 0")
-            if body.top_n is not None and body.top_n < 0:
-                raise InvalidInputError(f"top_n must be 0 (all) or positive, got {body.top_n}")
-        scores = self.llm.score(
-            text_1, text_2, truncate_prompt_tokens=body.truncate_prompt_tokens,
-            max_tokens_per_doc=body.max_tokens_per_doc, instruction=body.instruction,
-            use_tqdm=False,
+        rerank = isinstance(body, RerankRequest)
+        text_1, text_2 = body.texts()
+        plan = plan_scores(
+            self.processor, _ids(task.line, 1)[0], pair_texts(text_1, text_2),
+            body.to_pooling_params(), max_tokens_per_doc=body.max_tokens_per_doc,
+            instruction=body.instruction, fit_documents=rerank,
         )  # fmt: skip
-        if isinstance(body, ScoreRequest):
-            data = [
-                {"index": i, "object": "score", "score": s.outputs.score}
-                for i, s in enumerate(scores)
-            ]
-            return self._list_body("score", data, num_tokens=None)
-        return self._rerank_body(body, text_2, scores)
+        scores = plan.scores(self.llm.client.run(plan.requests))
+        if rerank:
+            return self._rerank_body(body, scores)
+        data = [
+            {"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scores)
+        ]
+        return self._list_body("score", data, num_tokens=None)
 
     def _embedding_body(self, body: EmbeddingRequest, outputs: list) -> dict[str, Any]:
         import base64
@@ -243,25 +185,15 @@ class BatchHandlers:
             body["usage"] = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
         return body
 
-    def _rerank_body(self, body: RerankRequest, texts: list[str], scores: list) -> dict[str, Any]:
-        order = sorted(range(len(texts)), key=lambda i: -scores[i].outputs.score)
-        if body.top_n:
-            order = order[: body.top_n]
-        return_documents = body.return_documents is not False
-        results = []
-        for i in order:
-            result: dict[str, Any] = {"index": i, "relevance_score": scores[i].outputs.score}
-            if return_documents:
-                result["document"] = {"text": texts[i]}
-            results.append(result)
+    def _rerank_body(self, body: RerankRequest, scores: list) -> dict[str, Any]:
         return {
             "id": f"rerank-{uuid.uuid4().hex}",
             "model": self.model_config.served_model_name,
-            "results": results,
+            "results": body.results([s.outputs.score for s in scores], return_documents=True),
         }
 
     def _generation_body(self, task: GenerationTask, outputs: list[RequestOutput]) -> dict:
-        body, n = task.line.body, task.params.n
+        body, n = task.line.body, task.n
         chat = isinstance(body, ChatCompletionRequest)
         choices = []
         for index, output in enumerate(outputs):
@@ -288,41 +220,9 @@ class BatchHandlers:
         }  # fmt: skip
 
 
-def _score_texts(body: ScoreRequest) -> tuple[Any, Any]:
-    """The one pair of text fields a /v1/score body gives."""
-    fields = body.model_dump()
-    given = [pair for pair in SCORE_FIELDS if any(fields.get(n) is not None for n in pair)]
-    if len(given) != 1 or any(fields.get(n) is None for n in given[0]):
-        raise InvalidInputError(
-            "pass one pair of fields: queries and documents (or data_1 and data_2, or text_1 "
-            "and text_2)"
-        )
-    return fields[given[0][0]], fields[given[0][1]]
-
-
 def _is_set(value: Any) -> bool:
     return value not in (None, False, 0, [], {})
 
 
-def _prompts_from(input_: Any) -> list[PromptType]:
-    """Text, texts, token ids or token-id lists (the server's input shapes) as prompts."""
-    if input_ is None:
-        raise InvalidInputError("pass exactly one of 'input' and 'messages'")
-    if isinstance(input_, str):
-        prompts: list[PromptType] = [input_]
-    elif input_ and all(isinstance(x, int) for x in input_):
-        prompts = [{"prompt_token_ids": list(input_)}]
-    elif input_ and all(isinstance(x, list) for x in input_):
-        prompts = [{"prompt_token_ids": list(ids)} for ids in input_]
-    else:
-        prompts = list(input_)
-    if not prompts:
-        raise InvalidInputError("input is empty: pass at least one text or token-id list")
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str) and not prompt:
-            raise InvalidInputError(f"input {i} is an empty string")
-    return prompts
-
-
-def _as_token_prompts(tokenized: list[TokenizedPrompt]) -> list[dict[str, Any]]:
-    return [{"prompt": t.prompt, "prompt_token_ids": t.prompt_token_ids} for t in tokenized]
+def _ids(line: BatchLine, count: int) -> list[str]:
+    return [f"batch-{line.number}-{i}" for i in range(count)]

@@ -95,10 +95,11 @@ def custom_id_of(raw: bytes) -> str | None:
 
 
 def error_of(line_number: int, error: Exception) -> LineError:
-    """The status and message a failed line reports (the server's mapping)."""
+    """The status and message a failed line reports (the server's mapping: the input's fault
+    is 400, anything else a 500 naming the error)."""
     if isinstance(error, LineError):
         return error
-    if isinstance(error, InvalidInputError | ValueError | TypeError):
+    if isinstance(error, InvalidInputError):
         return LineError(f"line {line_number}: {error}")
     return LineError(
         f"line {line_number}: internal error: {type(error).__name__}: {error}",

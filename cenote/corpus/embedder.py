@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cenote.errors import InvalidInputError
+from cenote.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     from cenote.entrypoints.llm import LLM
@@ -36,7 +37,6 @@ def embed_passages(
     """Embeddings ``[num_texts, dim]`` float32 and token counts ``[num_texts]`` int32, in input
     order. A passage the engine refuses (too long without truncation) raises ``RowError`` with
     its row (``rows[i]``, else its index here)."""
-    from cenote.pooling_params import PoolingParams
 
     params = PoolingParams(dimensions=dimensions) if dimensions is not None else None
     try:
@@ -56,7 +56,8 @@ def _locate(llm, texts, rows, truncate_prompt_tokens, error: InvalidInputError) 
     """The first passage that fails on its own, as a ``RowError``; ``error`` if none does."""
     for i, text in enumerate(texts):
         try:
-            llm.input_processor.tokenize([text], truncate_prompt_tokens)
+            params = PoolingParams(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+            llm.input_processor.process("locate", text, params)
         except InvalidInputError as e:
             row = int(rows[i]) if rows is not None else i
             message = str(e).replace("prompt 0 ", "the passage ", 1)

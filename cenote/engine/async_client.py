@@ -11,15 +11,17 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 from tokenizers import Tokenizer
 
 from cenote.config import EngineConfig
+from cenote.engine.capabilities import ModelCapabilities
 from cenote.engine.core_launcher import CoreLauncher, Executor, make_launcher
-from cenote.engine.input_processor import ModelCapabilities
+from cenote.engine.input_processor import ParentRequest
 from cenote.engine.ipc import (
     AbortRequests,
     AddRequests,
@@ -31,10 +33,9 @@ from cenote.engine.ipc import (
     make_encoder,
     output_decoder,
 )
-from cenote.engine.output_processor import OutputProcessor, RequestFailure
+from cenote.engine.output_processor import OutputProcessor, RequestFailure, UserOutput
 from cenote.errors import EngineDeadError
-from cenote.messages import EngineCoreRequest, SchedulerStats
-from cenote.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from cenote.messages import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,18 @@ _WAVE_STEPS = 1
 StepCallback = Callable[[SchedulerStats | None, list[float]], None]
 
 
+@dataclass
+class _Wave:
+    """The pooling requests of one ``add`` call still to send, and the tokens in flight."""
+
+    unsent: deque[ParentRequest]
+    window: int  # tokens in flight at once (after the first request)
+    in_flight: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens
+
+
 class AsyncEngineClient:
-    """Owns the engine-core process. Use ``await start()``, then ``pool`` / ``generate``."""
+    """Owns the engine-core process. ``await start()``, then ``add`` / ``outputs`` / ``abort``
+    (``engine.client.AsyncClient``)."""
 
     def __init__(
         self,
@@ -65,6 +76,7 @@ class AsyncEngineClient:
         self.capabilities: ModelCapabilities | None = None
         self.dead_reason: str | None = None  # set once the core is gone
         self.queues: dict[str, asyncio.Queue] = {}  # user request id -> its outputs
+        self._waves: dict[str, _Wave] = {}  # pooling request id -> its wave, until it finishes
         self._encoder = make_encoder()
         self._decoder = output_decoder()
         self.executor = executor
@@ -95,6 +107,7 @@ class AsyncEngineClient:
             raise EngineDeadError(f"the engine core failed to start: {message.message}")
         assert isinstance(message, Ready)
         self.capabilities = message.capabilities
+        self.output_processor.label_names = message.capabilities.label_names
         loop = asyncio.get_running_loop()
         launcher.on_exit(loop, self._on_core_exit)
         self._output_task = loop.create_task(self._output_loop())
@@ -135,58 +148,44 @@ class AsyncEngineClient:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def pool(
-        self,
-        requests: list[EngineCoreRequest],
-        prompts: list[str | None],
-        output_class: type[PoolingOutput],
-    ) -> list[PoolingRequestOutput]:
-        """Run pooling requests to completion; results in the order given.
+    def add(self, requests: Sequence[ParentRequest]) -> None:
+        """Register and send ``requests``; read each one's results with ``outputs``.
 
-        A big request is sent in waves of about one step's token budget, the next input going
-        out as an earlier one finishes: requests that arrive meanwhile queue behind a wave, not
-        behind all of it, and small requests keep flowing while a maximal one runs."""
-        ids = [r.request_id for r in requests]
-        queues = [self._register(request_id) for request_id in ids]
-        for request, prompt in zip(requests, prompts, strict=True):
-            self.output_processor.add_pooling_request(request, prompt, output_class)
-        window = _WAVE_STEPS * self.config.scheduler.max_num_batched_tokens
-        unsent = deque(requests)
-        in_flight = 0  # tokens sent and not finished
-
-        def send_more() -> None:
-            nonlocal in_flight
-            wave: list[EngineCoreRequest] = []
-            while unsent and (
-                in_flight == 0 or in_flight + len(unsent[0].prompt_token_ids) <= window
-            ):
-                wave.append(unsent.popleft())
-                in_flight += len(wave[-1].prompt_token_ids)
-            if wave:
-                self._send(AddRequests(requests=wave))
-
+        Generation requests go out at once. The pooling requests of one call go out in waves
+        of about one step's token budget, the next as an earlier one finishes: requests that
+        arrive meanwhile queue behind a wave, not behind all of it, and small requests keep
+        flowing while a maximal one runs."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        added: list[str] = []
         try:
-            send_more()
-            results = []
-            for request, queue in zip(requests, queues, strict=True):
-                output = await queue.get()  # sent: every earlier input has finished
-                if isinstance(output, Exception):
-                    raise output
-                results.append(output)
-                in_flight -= len(request.prompt_token_ids)
-                send_more()
-            return results
-        finally:
-            self._release(ids)
+            for request in requests:
+                if request.request_id in self.queues:
+                    raise ValueError(f"request id {request.request_id!r} is already in use")
+                self.queues[request.request_id] = asyncio.Queue()
+                self.output_processor.add_request(request)
+                added.append(request.request_id)
+            generation = [c for r in requests if r.pooling_params is None for c in r.children]
+            if generation:
+                self._send(AddRequests(requests=generation))
+            pooling = [r for r in requests if r.pooling_params is not None]
+            if pooling:
+                wave = _Wave(
+                    deque(pooling), _WAVE_STEPS * self.config.scheduler.max_num_batched_tokens
+                )
+                self._waves.update((r.request_id, wave) for r in pooling)
+                self._send_wave(wave)
+        except BaseException:
+            self.abort(added)
+            raise
 
-    async def generate(
-        self, request_id: str, prompt: str | None, children: list[EngineCoreRequest]
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream snapshots of one generation request (n children) until it finishes."""
-        queue = self._register(request_id)
-        self.output_processor.add_generation_request(request_id, prompt, children)
+    async def outputs(self, request_id: str) -> AsyncIterator[UserOutput]:
+        """The outputs of an added request until it finishes; its failure (or the core's
+        death) raises. Leaving early (the client went away) aborts it in the core."""
+        queue = self.queues.get(request_id)
+        if queue is None:
+            raise ValueError(f"request {request_id!r} was not added (or is already done)")
         try:
-            self._send(AddRequests(requests=children))
             while True:
                 output = await queue.get()
                 if isinstance(output, Exception):
@@ -195,25 +194,44 @@ class AsyncEngineClient:
                 if output.finished:
                     return
         finally:
-            self._release([request_id])
+            self.abort([request_id])
 
-    def _register(self, request_id: str) -> asyncio.Queue:
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        if request_id in self.queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = queue
-        return queue
-
-    def _release(self, request_ids: list[str]) -> None:
-        """Forget finished requests; abort in the core those still running (client gone)."""
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Forget requests; abort in the core those still running (client gone)."""
         to_abort: list[str] = []
+        waves: dict[int, _Wave] = {}
         for request_id in request_ids:
             self.queues.pop(request_id, None)
             to_abort.extend(self.output_processor.abort(request_id))
+            wave = self._finish_in_wave(request_id)
+            if wave is not None:
+                waves[id(wave)] = wave
         if to_abort and self.dead_reason is None:
             self._send(AbortRequests(request_ids=to_abort))
+        for wave in waves.values():
+            self._send_wave(wave)
+
+    def _send_wave(self, wave: _Wave) -> None:
+        """Send the wave's next requests while they fit its token window (at least one)."""
+        batch = []
+        while wave.unsent and (
+            not wave.in_flight
+            or sum(wave.in_flight.values()) + len(wave.unsent[0].prompt_token_ids) <= wave.window
+        ):
+            request = wave.unsent.popleft()
+            if request.request_id not in self.output_processor.states:
+                continue  # aborted before it went out
+            wave.in_flight[request.request_id] = len(request.prompt_token_ids)
+            batch.extend(request.children)
+        if batch and self.dead_reason is None:
+            self._send(AddRequests(requests=batch))
+
+    def _finish_in_wave(self, request_id: str) -> _Wave | None:
+        """Take a finished (or aborted) request out of its wave; the wave, if it had one."""
+        wave = self._waves.pop(request_id, None)
+        if wave is not None:
+            wave.in_flight.pop(request_id, None)
+        return wave
 
     def _send(self, message: CoreInput) -> None:
         if self.dead_reason is not None:
@@ -249,6 +267,9 @@ class AsyncEngineClient:
                 queue = self.queues.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output.error if isinstance(output, RequestFailure) else output)
+                wave = self._finish_in_wave(output.request_id) if output.finished else None
+                if wave is not None:
+                    self._send_wave(wave)
             if to_abort:
                 self._send(AbortRequests(request_ids=to_abort))
             if self.on_step is not None:

@@ -8,7 +8,7 @@ import os
 import torch
 
 from cenote.config import EngineConfig
-from cenote.engine.input_processor import ModelCapabilities, ScoreType
+from cenote.engine.capabilities import ModelCapabilities, ScoreType
 from cenote.kv_cache.manager import KVCacheManager, num_blocks_for_memory
 from cenote.messages import (
     EngineCoreOutput,

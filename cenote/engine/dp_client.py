@@ -1,8 +1,8 @@
 """Data-parallel serving: one front, N engine cores, each on its own share of the cores (local
 processes on disjoint CPU sets, or Ray actors on a cluster's nodes with zmq over TCP).
 
-``DataParallelEngineClient`` has the surface of ``AsyncEngineClient`` (the server cannot tell them
-apart) and owns N of them. Each request goes whole to one core: the least loaded (user requests in
+``DataParallelEngineClient`` has the surface of ``AsyncEngineClient`` (``add`` / ``outputs`` /
+``abort``: the server cannot tell them apart) and owns N of them. Each request goes whole to one core: the least loaded (user requests in
 flight), except that a generation request whose first KV block was seen before prefers the core
 that served it (its prefix cache holds those blocks) unless that core is clearly busier. A core
 that dies fails only its own in-flight requests; the others keep serving and the client reports
@@ -15,17 +15,18 @@ import dataclasses
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 from tokenizers import Tokenizer
 
 from cenote.config import EngineConfig
 from cenote.engine.async_client import AsyncEngineClient, StepCallback
+from cenote.engine.capabilities import ModelCapabilities
 from cenote.engine.core_launcher import Executor
-from cenote.engine.input_processor import ModelCapabilities
+from cenote.engine.input_processor import ParentRequest
+from cenote.engine.output_processor import UserOutput
 from cenote.errors import EngineDeadError
-from cenote.messages import EngineCoreRequest, SchedulerStats
-from cenote.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from cenote.messages import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class DataParallelEngineClient:
         self.capabilities: ModelCapabilities | None = None
         self.dead_reason: str | None = None  # set once every core is gone
         self._prefix_routes: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self._core_of: dict[str, AsyncEngineClient] = {}  # request id -> the core running it
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -148,20 +150,45 @@ class DataParallelEngineClient:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def pool(
-        self,
-        requests: list[EngineCoreRequest],
-        prompts: list[str | None],
-        output_class: type[PoolingOutput],
-    ) -> list[PoolingRequestOutput]:
-        return await self._pick(None).pool(requests, prompts, output_class)
+    def add(self, requests: Sequence[ParentRequest]) -> None:
+        """The pooling requests of one call go to one core; each generation request to its
+        own pick (prefix-affine)."""
+        added: list[str] = []
+        try:
+            pooling = [r for r in requests if r.pooling_params is not None]
+            if pooling:
+                self._add_to(self._pick(None), pooling, added)
+            for request in requests:
+                if request.pooling_params is None:
+                    core = self._pick(self._prefix_key(request.prompt_token_ids))
+                    self._add_to(core, [request], added)
+        except BaseException:
+            self.abort(added)
+            raise
 
-    async def generate(
-        self, request_id: str, prompt: str | None, children: list[EngineCoreRequest]
-    ) -> AsyncIterator[RequestOutput]:
-        core = self._pick(self._prefix_key(children[0].prompt_token_ids))
-        async for output in core.generate(request_id, prompt, children):
-            yield output
+    def _add_to(
+        self, core: AsyncEngineClient, requests: list[ParentRequest], added: list[str]
+    ) -> None:
+        core.add(requests)
+        for request in requests:
+            self._core_of[request.request_id] = core
+            added.append(request.request_id)
+
+    async def outputs(self, request_id: str) -> AsyncIterator[UserOutput]:
+        core = self._core_of.get(request_id)
+        if core is None:
+            raise ValueError(f"request {request_id!r} was not added (or is already done)")
+        try:
+            async for output in core.outputs(request_id):
+                yield output
+        finally:
+            self._core_of.pop(request_id, None)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            core = self._core_of.pop(request_id, None)
+            if core is not None:
+                core.abort([request_id])
 
     def _alive(self) -> list[AsyncEngineClient]:
         return [core for core in self.cores if core.dead_reason is None]

@@ -1,161 +1,222 @@
-"""Turn user prompts into validated, tokenized engine requests. All input errors are raised here."""
+"""User prompts + params -> validated, tokenized engine requests: ``InputProcessor.process``.
+Every entry point (offline ``LLM``, each HTTP route, run-batch, scoring) hands its raw input
+here; all input errors are raised here, as ``InvalidInputError`` with the numbers."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Any, Literal
+from typing import Any
 
 from tokenizers import Tokenizer
 
 from cenote.config import ModelConfig
-from cenote.errors import InvalidInputError, InvalidInputTypeError, UnsupportedTaskError
+from cenote.engine.capabilities import ModelCapabilities
+from cenote.engine.chat import render_chat, special_token_variables
+from cenote.engine.params_validator import Params, ParamsValidator
+from cenote.engine.prompt_tokenizer import PromptTokenizer, TokenizedPrompt
+from cenote.errors import InvalidInputError, InvalidInputTypeError
+from cenote.inputs import PromptType
 from cenote.messages import EngineCoreRequest
-from cenote.models.colbert import TextRole, colbert_prompts
+from cenote.models.colbert import TextRole
+from cenote.models.tokenizer import load_chat_template
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
-# sparse: dot product of sparse (SPLADE) embeddings, as sentence-transformers' SparseEncoder
-ScoreType = Literal["cross_encoder", "bi_encoder", "late_interaction", "sparse"]
-PromptType = str | dict[str, Any]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
-
-
-@dataclass(frozen=True)
-class ModelCapabilities:
-    """What the loaded model can do, found at load time and passed to the edge."""
-
-    supported_tasks: tuple[str, ...]  # e.g. ("embed", "token_embed")
-    embedding_size: int | None  # output size of the embedding head (before matryoshka)
-    is_matryoshka: bool  # dimensions may be requested
-    eos_token_id: int | None  # ends generation
-    num_labels: int | None = None  # columns of the classifier head (vocabulary for an LM head)
-    label_names: tuple[str, ...] | None = None  # id2label, in label order
-    score_type: ScoreType | None = None  # how score() compares texts
-    uses_token_type_ids: bool = False  # segment ids matter (BERT pairs)
+_CHAT_ARGUMENTS = ("messages", "add_generation_prompt", "continue_final_message")
 
 
 @dataclass
-class TokenizedPrompt:
-    prompt: str | None  # the text, when the prompt was text
-    prompt_token_ids: list[int]
-    token_type_ids: list[int] | None = None
-    num_instruction_tokens: int = 0  # leading tokens of the prepended instruction prompt
+class ParentRequest:
+    """One user request as the front keeps it: its prompt text and the engine requests it runs
+    as — one, or ``n`` for a generation request with ``n > 1`` (ids ``{request_id}-{i}``)."""
+
+    request_id: str  # the user request's id (outputs carry it)
+    prompt: str | None  # the prompt's text, when it had one (outputs echo it)
+    children: list[EngineCoreRequest]  # what the engine core runs
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.children[0].prompt_token_ids
+
+    @property
+    def pooling_params(self) -> PoolingParams | None:
+        return self.children[0].pooling_params
 
 
 class InputProcessor:
     """Validates at the edge, with errors that carry the numbers."""
 
     def __init__(
-        self, model_config: ModelConfig, tokenizer: Tokenizer, capabilities: ModelCapabilities
+        self,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer,
+        capabilities: ModelCapabilities,
+        chat_template: str | None = None,  # None: the model's own
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.capabilities = capabilities
-        st = model_config.st_config
-        self.do_lower_case = bool(st and st.do_lower_case)
-        self.default_prompt = ""
-        self.colbert = colbert_prompts(model_config, tokenizer)  # None: not ColBERT
-        if st is not None and st.default_prompt_name:
-            self.default_prompt = st.prompts.get(st.default_prompt_name, "")
+        self.validator = ParamsValidator(model_config, capabilities)
+        self.prompts = PromptTokenizer(model_config, tokenizer, capabilities.uses_token_type_ids)
+        self.chat_template = chat_template or load_chat_template(model_config)
+        self._template_tokens = special_token_variables(tokenizer, model_config.hf_config)
 
-    # ---- tokenization -----------------------------------------------------------------------
+    @property
+    def instruction_length(self) -> int:
+        """Tokens of the model's instruction prompt (sentence-transformers' default prompt)."""
+        return self.prompts.instruction_length
 
-    def tokenize(
+    # ---- the one entry point ----------------------------------------------------------------
+
+    def process(
         self,
+        request_id: str,
+        prompt: PromptType,
+        params: Params,
+        *,
+        priority: int = 0,
+        **options: Any,
+    ) -> ParentRequest:
+        """One prompt as a validated, tokenized request (``options``: see ``process_batch``)."""
+        return self.process_batch([request_id], [prompt], params, priority=priority, **options)[0]
+
+    def process_batch(
+        self,
+        request_ids: Sequence[str],
         prompts: Sequence[PromptType],
-        truncate_prompt_tokens: int | None = None,
-        truncation_side: str = "right",
-        add_special_tokens: bool = True,
-        is_pooling: bool = True,
-        indices: Sequence[int] | None = None,
+        params: Params | Sequence[Params],
+        *,
+        priority: int = 0,
+        add_special_tokens: bool | None = None,
+        default_max_tokens: int | None = None,
         role: TextRole = "document",
         label: str = "prompt",
+        indices: Sequence[int] | None = None,
+        max_tokens_per_doc: int | None = None,
+    ) -> list[ParentRequest]:
+        """The requests of ``prompts`` (one params for all, or one each), texts tokenized in one
+        call per truncation setting. Truncation is the params' (``truncate_prompt_tokens``,
+        ``truncation_side``); a generation params' ``max_tokens=None`` is what the context has
+        left (at most ``default_max_tokens``).
+
+        ``add_special_tokens``: None adds them to text and pairs, not to chat (the template
+        writes them). ``role``: a ColBERT model formats pooled texts as a "query" or a
+        "document". ``label`` and ``indices``: what the user calls the prompts and their
+        positions, for error messages ("document 3 has ..."). ``max_tokens_per_doc`` cuts the
+        second text of pair prompts. Nothing is returned unless every prompt is valid."""
+        num = len(prompts)
+        indices = list(indices) if indices is not None else list(range(num))
+        params_list = per_prompt(params, num)
+        # 1) params: the task is served, the options fit this model
+        for p in {id(p): p for p in params_list}.values():
+            self.validator.check(p)
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise InvalidInputError(f"priority must be a 64-bit signed integer, got {priority}")
+        # 2) prompts -> token ids
+        tokenized = self._tokenize(
+            prompts, params_list, add_special_tokens, role, indices, max_tokens_per_doc
+        )
+        # 3) lengths; generation: max_tokens resolved, prompt + max_tokens fit the context
+        for i, (tok, p) in enumerate(zip(tokenized, params_list, strict=True)):
+            self._check_length(tok.prompt_token_ids, indices[i], label)
+            if isinstance(p, SamplingParams):
+                num_tokens = len(tok.prompt_token_ids)
+                params_list[i] = self._fit_context(p, num_tokens, indices[i], default_max_tokens)
+        # 4) engine requests; n > 1 fans out
+        return [
+            self._parent(request_id, tok, p, priority)
+            for request_id, tok, p in zip(request_ids, tokenized, params_list, strict=True)
+        ]
+
+    def check_task(self, task: str) -> None:
+        """``UnsupportedTaskError`` unless the model serves ``task``."""
+        self.validator.check_task(task)
+
+    def render_chat(self, prompt: dict[str, Any]) -> str:
+        """The text of a chat prompt (``cenote.inputs.ChatPrompt``), rendered in the sandbox."""
+        variables = dict(prompt.get("chat_template_kwargs") or {})
+        reserved = [name for name in _CHAT_ARGUMENTS if name in variables]
+        if reserved:
+            raise InvalidInputError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: they are request fields"
+            )
+        return render_chat(
+            prompt.get("chat_template") or self.chat_template,
+            prompt["messages"],
+            prompt.get("add_generation_prompt", True),
+            prompt.get("continue_final_message", False),
+            **{**self._template_tokens, **variables},
+        )
+
+    def truncate_text(self, text: str, max_tokens: int) -> str:
+        """``text`` cut to its first ``max_tokens`` tokens (e.g. a document before it goes into
+        a reranker's prompt template)."""
+        return self.prompts.cut_text(text, max_tokens)
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens of each text, special tokens excluded (scoring's checks)."""
+        return self.prompts.count(texts)
+
+    # ---- 2) tokenization --------------------------------------------------------------------
+
+    def _tokenize(
+        self,
+        prompts: Sequence[PromptType],
+        params_list: list[Params],
+        add_special_tokens: bool | None,
+        role: TextRole,
+        indices: list[int],
+        max_tokens_per_doc: int | None,
     ) -> list[TokenizedPrompt]:
-        """Tokenize a batch; texts go through the fast tokenizer in one call. ``indices`` are the
-        prompts' positions in the user's list and ``label`` what the user calls them ("prompt",
-        "query", "document"), for error messages. A ColBERT model formats pooled texts as a
-        query or a document (``role``); other models ignore it."""
-        indices = list(indices) if indices is not None else list(range(len(prompts)))
-        max_length = self._truncation_length(truncate_prompt_tokens)
-        texts: list[tuple[int, str]] = []
+        """Token ids of every prompt: given ids are checked and cut; texts and pairs go through
+        the tokenizer in one call per (kind, truncation, side, special tokens, pooling)."""
         results: list[TokenizedPrompt | None] = [None] * len(prompts)
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                texts.append((i, prompt))
-            elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        groups: dict[tuple, list[tuple[int, Any]]] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            max_length = self.validator.truncation_length(params.truncate_prompt_tokens)
+            side = params.truncation_side
+            is_pooling = isinstance(params, PoolingParams)
+            if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
                 ids = self._check_token_ids(prompt["prompt_token_ids"], indices[i])
                 if max_length is not None and len(ids) > max_length:
-                    ids = ids[-max_length:] if truncation_side == "left" else ids[:max_length]
+                    ids = ids[-max_length:] if side == "left" else ids[:max_length]
                 results[i] = TokenizedPrompt(prompt.get("prompt"), ids)
-            elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-                texts.append((i, prompt["prompt"]))
+                continue
+            kind, value, special = self._text_of(prompt, indices[i], add_special_tokens)
+            key = (kind, max_length, side, special, is_pooling)
+            groups.setdefault(key, []).append((i, value))
+        for (kind, max_length, side, special, is_pooling), items in groups.items():
+            values = [value for _, value in items]
+            if kind == "pair":
+                positions = [indices[i] for i, _ in items]
+                batch = self.prompts.pairs(values, max_length, max_tokens_per_doc, positions)
             else:
-                raise InvalidInputTypeError(
-                    f"prompt {indices[i]} is a {type(prompt).__name__}; expected a string or a dict with "
-                    "'prompt' (text) or 'prompt_token_ids' (list of ints)"
-                )
-        if texts:
-            colbert = self.colbert if is_pooling else None
-            if colbert is not None:  # the marker after [CLS] takes one of the tokens
-                limit = colbert.max_length(role) - 1
-                max_length = limit if max_length is None else min(max_length - 1, limit)
-            encoded = self._encode(
-                [t for _, t in texts], max_length, truncation_side, add_special_tokens, is_pooling
-            )
-            for (i, text), enc in zip(texts, encoded, strict=True):
-                ids = list(enc.ids) if colbert is None else colbert.format(list(enc.ids), role)
-                results[i] = TokenizedPrompt(text, ids)
-        if is_pooling and self.default_prompt:  # _encode prepended it to every text
-            for i, _ in texts:
-                results[i].num_instruction_tokens = self.instruction_length
-        for i, result in enumerate(results):
-            self._check_length(result.prompt_token_ids, indices[i], truncate_prompt_tokens, label)
-        return results
+                batch = self.prompts.texts(values, max_length, side, special, is_pooling, role)
+            for (i, _), tok in zip(items, batch, strict=True):
+                results[i] = tok
+        return results  # type: ignore[return-value]
 
-    def _encode(self, texts: list[str], max_length, side, add_special_tokens, is_pooling):
-        if is_pooling:
-            texts = [self.default_prompt + t for t in texts]
-            if self.do_lower_case:
-                texts = [t.lower() for t in texts]
-        if max_length is None:
-            return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
-        # Truncate as the tokenizer's own truncation does (the text is cut to leave room for the
-        # special tokens), without toggling the shared tokenizer: safe from several threads.
-        room = max_length
-        if add_special_tokens:
-            room = max(max_length - self.tokenizer.num_special_tokens_to_add(is_pair=False), 0)
-        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
-        for encoding in encoded:
-            if len(encoding.ids) > room:
-                encoding.truncate(room, direction=side)
-        return [self.tokenizer.post_process(e, None, add_special_tokens) for e in encoded]
-
-    @cached_property
-    def instruction_length(self) -> int:
-        """Tokens of the default instruction prompt as sentence-transformers counts them: the
-        prompt tokenized alone, special tokens included, less a trailing special token."""
-        prompt = self.default_prompt.lower() if self.do_lower_case else self.default_prompt
-        encoding = self.tokenizer.encode(prompt)
-        special = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
-        length = len(encoding.ids)
-        if length and (encoding.special_tokens_mask[-1] or encoding.ids[-1] in special):
-            length -= 1
-        return length
-
-    def _truncation_length(self, truncate_prompt_tokens: int | None) -> int | None:
-        limit = self.model_config.max_model_len
-        if truncate_prompt_tokens is None:
-            return None
-        if truncate_prompt_tokens == -1:
-            return limit
-        if not isinstance(truncate_prompt_tokens, int) or not 1 <= truncate_prompt_tokens <= limit:
-            raise InvalidInputError(
-                f"truncate_prompt_tokens must be -1 (the model's limit) or between 1 and "
-                f"{limit} (max_model_len), got {truncate_prompt_tokens}"
-            )
-        return truncate_prompt_tokens
+    def _text_of(
+        self, prompt: Any, index: int, add_special_tokens: bool | None
+    ) -> tuple[str, Any, bool]:
+        """(kind "text" | "pair", the text or (text, text_pair), whether to add special
+        tokens) of a prompt that is not token ids; chat prompts are rendered here."""
+        if isinstance(prompt, str):
+            return "text", prompt, add_special_tokens is not False
+        if isinstance(prompt, dict):
+            if isinstance(prompt.get("prompt"), str):
+                return "text", prompt["prompt"], add_special_tokens is not False
+            if "messages" in prompt:
+                return "text", self.render_chat(prompt), bool(add_special_tokens)
+            if isinstance(prompt.get("text"), str) and isinstance(prompt.get("text_pair"), str):
+                return "pair", (prompt["text"], prompt["text_pair"]), True
+        raise InvalidInputTypeError(
+            f"prompt {index} is a {type(prompt).__name__}; expected a string or a dict with "
+            "'prompt' (text), 'prompt_token_ids' (list of ints), 'messages' (chat) or "
+            "'text' and 'text_pair' (a cross-encoder pair)"
+        )
 
     def _check_token_ids(self, ids: Any, index: int) -> list[int]:
         if not isinstance(ids, list | tuple) or not all(
@@ -171,9 +232,9 @@ class InputProcessor:
                 )
         return list(ids)
 
-    def _check_length(
-        self, ids: list[int], index: int, truncate: int | None, label: str = "prompt"
-    ) -> None:
+    # ---- 3) lengths -------------------------------------------------------------------------
+
+    def _check_length(self, ids: list[int], index: int, label: str) -> None:
         limit = self.model_config.max_model_len
         if not ids:
             raise InvalidInputError(f"{label} {index} is empty (0 tokens)")
@@ -183,159 +244,83 @@ class InputProcessor:
                 f"{limit}; pass truncate_prompt_tokens=-1 (or a value up to {limit}) to truncate it"
             )
 
-    # ---- requests ---------------------------------------------------------------------------
-
-    def check_pooling_params(self, params: PoolingParams) -> None:
-        caps = self.capabilities
-        if params.task not in caps.supported_tasks:
-            raise UnsupportedTaskError(
-                f"task {params.task!r} is not supported by {self.model_config.served_model_name}; "
-                f"it supports {', '.join(caps.supported_tasks)}"
-            )
-        if params.dimensions is not None:
-            if params.task not in ("embed", "token_embed"):
-                raise InvalidInputError(f"dimensions applies to embeddings, not to {params.task!r}")
-            if not caps.is_matryoshka:
-                raise InvalidInputError(
-                    f"model {self.model_config.served_model_name} does not support matryoshka "
-                    f"dimensions (its embedding size is {caps.embedding_size}); pass "
-                    "hf_overrides={'is_matryoshka': True} if you know it does"
-                )
-            if not 1 <= params.dimensions <= (caps.embedding_size or 0):
-                raise InvalidInputError(
-                    f"dimensions must be between 1 and {caps.embedding_size} (the model's "
-                    f"embedding size), got {params.dimensions}"
-                )
-            allowed = self.model_config.hf_config.get("matryoshka_dimensions")
-            if allowed and params.dimensions not in allowed:
-                raise InvalidInputError(
-                    f"dimensions must be one of the model's matryoshka_dimensions {allowed}, "
-                    f"got {params.dimensions}"
-                )
-        if params.max_active_dims is not None and params.task != "embed_sparse":
-            raise InvalidInputError(
-                f"max_active_dims applies to sparse embeddings (embed_sparse), not to "
-                f"{params.task!r}"
-            )
-        self._check_token_task_params(params)
-
-    def _check_token_task_params(self, params: PoolingParams) -> None:
-        """step_tag_id / returned_token_ids: token_classify only, ids within range."""
-        uses_step = params.step_tag_id is not None or params.returned_token_ids is not None
-        if not uses_step:
-            return
-        if params.task != "token_classify":
-            raise InvalidInputError(
-                f"step_tag_id and returned_token_ids apply to 'token_classify' (reward), "
-                f"not to {params.task!r}"
-            )
-        vocab = self.model_config.vocab_size
-        if params.step_tag_id is not None and not 0 <= params.step_tag_id < vocab:
-            raise InvalidInputError(
-                f"step_tag_id {params.step_tag_id} is outside the vocabulary (size {vocab})"
-            )
-        num_columns = self.capabilities.num_labels or 0
-        for column in params.returned_token_ids or []:
-            if not isinstance(column, int) or not 0 <= column < num_columns:
-                raise InvalidInputError(
-                    f"returned_token_ids entry {column!r} is outside the classifier's "
-                    f"{num_columns} columns"
-                )
-
-    def tokenize_pairs(
+    def _fit_context(
         self,
-        pairs: Sequence[tuple[str, str]],
-        truncate_prompt_tokens: int | None = None,
-        max_tokens_per_doc: int | None = None,
-    ) -> list[TokenizedPrompt]:
-        """Cross-encoder inputs: ``[CLS] query [SEP] document [SEP]`` with segment ids. The
-        document is cut first (``max_tokens_per_doc``, then to fit ``truncate_prompt_tokens``);
-        a query that alone exceeds the limit is an error."""
-        max_length = self._truncation_length(truncate_prompt_tokens)
-        if max_tokens_per_doc is not None and (
-            not isinstance(max_tokens_per_doc, int) or max_tokens_per_doc < 1
-        ):
-            raise InvalidInputError(
-                f"max_tokens_per_doc must be a positive integer, got {max_tokens_per_doc!r}"
-            )
-        num_special = self.tokenizer.num_special_tokens_to_add(is_pair=True)
-        queries = self.tokenizer.encode_batch([q for q, _ in pairs], add_special_tokens=False)
-        documents = self.tokenizer.encode_batch([d for _, d in pairs], add_special_tokens=False)
-        results = []
-        for i, (query, document) in enumerate(zip(queries, documents, strict=True)):
-            doc_budget = len(document.ids)
-            if max_tokens_per_doc is not None:
-                doc_budget = min(doc_budget, max_tokens_per_doc)
-            if max_length is not None:
-                room = max_length - num_special - len(query.ids)
-                if room < 0:
-                    raise InvalidInputError(
-                        f"pair {i}: the query has {len(query.ids)} tokens (+{num_special} special), "
-                        f"more than truncate_prompt_tokens={max_length}; documents are cut, "
-                        "queries are not"
-                    )
-                doc_budget = min(doc_budget, room)
-            if doc_budget < len(document.ids):
-                document.truncate(doc_budget)
-            pair = self.tokenizer.post_process(query, document, add_special_tokens=True)
-            token_types = list(pair.type_ids) if self.capabilities.uses_token_type_ids else None
-            results.append(TokenizedPrompt(None, list(pair.ids), token_types))
-            self._check_length(results[-1].prompt_token_ids, i, truncate_prompt_tokens)
-        return results
-
-    def check_sampling_params(
-        self, params: SamplingParams, num_prompt_tokens: int, index: int
-    ) -> None:
-        if "generate" not in self.capabilities.supported_tasks:
-            raise UnsupportedTaskError(
-                f"task 'generate' is not supported by {self.model_config.served_model_name}; "
-                f"it supports {', '.join(self.capabilities.supported_tasks)}"
-            )
-        max_logprobs = min(self.model_config.max_logprobs, self.model_config.vocab_size)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > max_logprobs:
-                raise InvalidInputError(
-                    f"{name}={value} is more than this server allows ({max_logprobs}, max_logprobs)"
-                )
-        vocab = self.model_config.vocab_size
-        for field_name, ids in (
-            ("logit_bias", list(params.logit_bias or {})),
-            ("stop_token_ids", params.stop_token_ids or []),
-        ):
-            outside = [t for t in ids if not 0 <= t < vocab]
-            if outside:
-                raise InvalidInputError(
-                    f"{field_name} has token ids outside the vocabulary (size {vocab}): "
-                    f"{outside[:5]}"
-                )
+        params: SamplingParams,
+        num_prompt_tokens: int,
+        index: int,
+        default_max_tokens: int | None,
+    ) -> SamplingParams:
+        """``params`` with ``max_tokens`` resolved; the prompt and its completion must fit."""
         limit = self.model_config.max_model_len
+        if params.max_tokens is None:
+            max_tokens = max(limit - num_prompt_tokens, 1)
+            if default_max_tokens is not None:
+                max_tokens = min(max_tokens, default_max_tokens)
+            params = dataclasses.replace(params, max_tokens=max_tokens)
         if num_prompt_tokens + params.max_tokens > limit:
             raise InvalidInputError(
                 f"prompt {index} has {num_prompt_tokens} tokens and asks for max_tokens="
                 f"{params.max_tokens}, which exceeds the model's limit (max_model_len) of {limit}"
             )
+        return params
 
-    def make_request(
+    # ---- 4) requests ------------------------------------------------------------------------
+
+    def _parent(
+        self, request_id: str, prompt: TokenizedPrompt, params: Params, priority: int
+    ) -> ParentRequest:
+        if isinstance(params, PoolingParams):
+            if prompt.num_instruction_tokens:
+                params = dataclasses.replace(
+                    params, instruction_length=prompt.num_instruction_tokens
+                )
+            children = [self._request(request_id, prompt, None, params, priority)]
+        else:
+            ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+            children = [
+                self._request(child_id, prompt, _child_params(params, i), None, priority)
+                for i, child_id in enumerate(ids)
+            ]
+        return ParentRequest(request_id, prompt.prompt, children)
+
+    def _request(
         self,
         request_id: str,
         prompt: TokenizedPrompt,
-        sampling_params: SamplingParams | None = None,
-        pooling_params: PoolingParams | None = None,
-        priority: int = 0,
+        sampling_params: SamplingParams | None,
+        pooling_params: PoolingParams | None,
+        priority: int,
     ) -> EngineCoreRequest:
-        if not INT64_MIN <= priority <= INT64_MAX:
-            raise InvalidInputError(f"priority must be a 64-bit signed integer, got {priority}")
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,
             sampling_params=sampling_params,
-            pooling_params=pooling_params
-            if pooling_params is None or not prompt.num_instruction_tokens
-            else dataclasses.replace(
-                pooling_params, instruction_length=prompt.num_instruction_tokens
-            ),
+            pooling_params=pooling_params,
             token_type_ids=prompt.token_type_ids,
             eos_token_id=self.capabilities.eos_token_id,
             priority=priority,
         )
+
+
+def per_prompt(params: Params | Sequence[Params], count: int) -> list[Params]:
+    """One params per prompt: the same for all, or one each (the counts must match)."""
+    if isinstance(params, SamplingParams | PoolingParams):
+        return [params] * count
+    if isinstance(params, str | bytes) or not isinstance(params, Sequence):
+        raise InvalidInputTypeError(
+            "params must be SamplingParams or PoolingParams (or a list of them, one per "
+            f"prompt), got {type(params).__name__}"
+        )
+    params = list(params)
+    if len(params) != count:
+        raise InvalidInputError(f"got {len(params)} parameter sets for {count} prompts")
+    return params
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n completions; seeded requests get seed + i so completions differ."""
+    if params.n == 1:
+        return params
+    seed = params.seed + index if params.seed is not None else None
+    return dataclasses.replace(params, n=1, seed=seed)

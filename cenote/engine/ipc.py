@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from cenote.engine.input_processor import ModelCapabilities
+from cenote.engine.capabilities import ModelCapabilities
 from cenote.messages import EngineCoreOutputs, EngineCoreRequest
 
 _TENSOR_EXT = 1  # msgpack extension code of a tensor

@@ -1,32 +1,34 @@
-"""Engine-core outputs -> user outputs: incremental detokenization, stop strings, n > 1."""
+"""Engine-core outputs -> user outputs: incremental detokenization, stop strings, n > 1, output
+kinds (cumulative, delta, final only)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from cenote.engine.input_processor import ParentRequest
 from cenote.errors import RequestFailedError, RequestRejectedError
-from cenote.messages import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    LogprobsLists,
-    RequestError,
-)
+from cenote.messages import EngineCoreOutput, LogprobsLists, RequestError
 from cenote.outputs import (
+    ClassificationOutput,
     CompletionOutput,
+    EmbeddingOutput,
     Logprob,
     PoolingOutput,
     PoolingRequestOutput,
     PromptLogprobs,
     RequestOutput,
+    SparseEmbeddingOutput,
 )
 from cenote.sampling.detokenizer import (
     IncrementalDetokenizer,
     TokenTexts,
     check_stop_strings,
+    stop_holdback_len,
 )
-from cenote.sampling_params import SamplingParams
+from cenote.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -38,7 +40,7 @@ class RequestFailure:
     finished: bool = True
 
 
-def _as_exception(error: RequestError, request_id: str) -> Exception:
+def as_exception(error: RequestError, request_id: str) -> Exception:
     if error.code == "refused":
         return RequestRejectedError(error.message)
     return RequestFailedError(
@@ -46,11 +48,22 @@ def _as_exception(error: RequestError, request_id: str) -> Exception:
     )
 
 
+# the output type of each pooling task (the task travels once: in the params)
+POOLING_OUTPUTS: dict[str, type[PoolingOutput]] = {
+    "embed": EmbeddingOutput,
+    "classify": ClassificationOutput,
+    "embed_sparse": SparseEmbeddingOutput,
+    "token_embed": PoolingOutput,
+    "token_classify": PoolingOutput,
+}
+
+
 @dataclass
 class _Completion:
     """State of one generated sequence (one child of a request with n > 1)."""
 
     index: int  # which of the parent's n completions
+    params: SamplingParams  # the child's (its stop strings, output kind)
     detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -58,6 +71,9 @@ class _Completion:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # DELTA: tokens (and their logprobs) already in an output
+    num_sent_chars: int = 0  # DELTA: characters of ``text`` already in an output
+    sent_finish: bool = False  # DELTA: its finish went out
 
 
 @dataclass
@@ -67,95 +83,118 @@ class _RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    output_class: type[PoolingOutput] | None  # pooling requests only
+    task: str | None  # the pooling task; None: a generation request
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     completions: dict[str, _Completion] = field(default_factory=dict)  # by engine request id
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
-    pooled: PoolingRequestOutput | None = None
+    pooled: bool = False
+    first_token_time: float | None = None  # time.monotonic() when its first token arrived
 
     @property
     def finished(self) -> bool:
-        if self.output_class is not None:
-            return self.pooled is not None
+        if self.task is not None:
+            return self.pooled
         return all(c.finish_reason is not None for c in self.completions.values())
 
 
+UserOutput = RequestOutput | PoolingRequestOutput | RequestFailure
+
+
 class OutputProcessor:
-    """Runs beside the engine core (same process offline, front process in the server)."""
+    """Runs beside the engine core (same process offline, front process in the server). Each
+    generation request gets the outputs its ``output_kind`` asks for: every update in full
+    (CUMULATIVE), what is new (DELTA: text held back while it could still grow into a stop
+    string), or only the finished result (FINAL_ONLY: nothing is built before)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)  # decoded_token of logprobs
+        self.label_names: tuple[str, ...] | None = None  # set by the client once it knows them
         self.states: dict[str, _RequestState] = {}  # by user request id
         self.parent_of: dict[str, str] = {}  # engine request id -> user request id
-        self.sampling_params: dict[str, SamplingParams] = {}  # by engine request id
 
-    def add_pooling_request(
-        self, request: EngineCoreRequest, prompt: str | None, output_class: type[PoolingOutput]
-    ) -> None:
-        self.states[request.request_id] = _RequestState(
-            request.request_id, prompt, request.prompt_token_ids, output_class
+    def add_request(self, request: ParentRequest) -> None:
+        """Track a user request (its engine requests: one per completion)."""
+        if request.pooling_params is not None:
+            state = _RequestState(
+                request.request_id, request.prompt, request.prompt_token_ids,
+                request.pooling_params.task,
+            )  # fmt: skip
+        else:
+            state = self._generation_state(request)
+        for child in request.children:
+            self.parent_of[child.request_id] = request.request_id
+        self.states[request.request_id] = state
+
+    def _generation_state(self, request: ParentRequest) -> _RequestState:
+        first = request.children[0].sampling_params
+        assert first is not None
+        state = _RequestState(
+            request.request_id, request.prompt, request.prompt_token_ids, None, first.output_kind
         )
-        self.parent_of[request.request_id] = request.request_id
-
-    def add_generation_request(
-        self, request_id: str, prompt: str | None, children: list[EngineCoreRequest]
-    ) -> None:
-        """``children``: one engine request per completion (n of them)."""
-        state = _RequestState(request_id, prompt, children[0].prompt_token_ids, None)
-        if children[0].sampling_params.prompt_logprobs is not None:
+        if first.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
-        for index, child in enumerate(children):
+        for index, child in enumerate(request.children):
             params = child.sampling_params
+            assert params is not None
             detokenizer = None
             if params.detokenize:
                 detokenizer = IncrementalDetokenizer(
                     self.tokenizer, child.prompt_token_ids, params.skip_special_tokens
                 )
             state.completions[child.request_id] = _Completion(
-                index, detokenizer, logprobs=[] if params.logprobs is not None else None
+                index, params, detokenizer, logprobs=[] if params.logprobs is not None else None
             )
-            self.parent_of[child.request_id] = request_id
-            self.sampling_params[child.request_id] = params
-        self.states[request_id] = state
+        return state
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput | PoolingRequestOutput | RequestFailure], list[str]]:
-        """Returns (updated user outputs, engine request ids to abort because a stop string hit
-        or a sibling completion failed). A request the core finished with an error comes back
-        as a ``RequestFailure`` (its exception) and is forgotten."""
-        updated: dict[str, RequestOutput | PoolingRequestOutput | RequestFailure] = {}
+    ) -> tuple[list[UserOutput], list[str]]:
+        """Returns (the user outputs of this step, engine request ids to abort because a stop
+        string hit or a sibling completion failed). A request the core finished with an error
+        comes back as a ``RequestFailure`` (its exception) and is forgotten."""
+        updated: dict[str, _RequestState | UserOutput] = {}
         to_abort: list[str] = []
         for out in outputs:
             user_id = self.parent_of.get(out.request_id)
             if user_id is None:
                 continue  # aborted earlier
             if out.error is not None:
-                updated[user_id] = RequestFailure(user_id, _as_exception(out.error, user_id))
+                updated[user_id] = RequestFailure(user_id, as_exception(out.error, user_id))
                 to_abort.extend(i for i in self.abort(user_id) if i != out.request_id)
                 continue
             state = self.states[user_id]
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-            if state.output_class is not None:
-                state.pooled = PoolingRequestOutput(
-                    request_id=user_id,
-                    outputs=state.output_class(data=out.pooling_output),
-                    prompt_token_ids=state.prompt_token_ids,
-                )
-                updated[user_id] = state.pooled
+            if state.task is not None:
+                state.pooled = True
+                updated[user_id] = self._pooling_output(state, out)
             else:
+                if out.new_token_ids and state.first_token_time is None:
+                    state.first_token_time = time.monotonic()
                 if self._update_completion(state, out):
                     to_abort.append(out.request_id)
-                updated[user_id] = self._request_output(state)
+                updated[user_id] = state
             if state.finished:
                 self._forget(user_id)
-        return list(updated.values()), to_abort
+        results = []
+        for item in updated.values():
+            output = self._request_output(item) if isinstance(item, _RequestState) else item
+            if output is not None:
+                results.append(output)
+        return results, to_abort
+
+    def _pooling_output(self, state: _RequestState, out: EngineCoreOutput) -> PoolingRequestOutput:
+        output_class = POOLING_OUTPUTS[state.task or "embed"]
+        data = output_class(data=out.pooling_output)
+        if isinstance(data, ClassificationOutput):
+            data.label_names = self.label_names
+        return PoolingRequestOutput(state.request_id, data, state.prompt_token_ids)
 
     def _update_completion(self, state: _RequestState, out: EngineCoreOutput) -> bool:
         """Apply one step to a completion; True when a stop string finished it here."""
         completion = state.completions[out.request_id]
-        params = self.sampling_params[out.request_id]
+        params = completion.params
         if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
             state.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
         if out.new_logprobs is not None and completion.logprobs is not None:
@@ -196,28 +235,35 @@ class OutputProcessor:
             result.append(entry)
         return result
 
-    def _request_output(self, state: _RequestState) -> RequestOutput:
+    def _request_output(self, state: _RequestState) -> RequestOutput | None:
+        """The output of a generation request after an update, as its output kind asks."""
+        kind = state.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
         completions = sorted(state.completions.values(), key=lambda c: c.index)
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[
+        first = state.first_token_time
+        if kind == RequestOutputKind.DELTA:
+            outputs = [d for d in map(_delta, completions) if d is not None]
+        else:  # finished state is forgotten: its lists go out as they are
+            copy = list if kind == RequestOutputKind.CUMULATIVE else _same
+            outputs = [
                 CompletionOutput(
                     index=c.index,
                     text=c.text,
-                    token_ids=list(c.token_ids),
+                    token_ids=copy(c.token_ids),
                     cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                    logprobs=c.logprobs,
+                    logprobs=copy(c.logprobs) if c.logprobs is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
                 for c in completions
-            ],
-            finished=state.finished,
-            prompt_logprobs=state.prompt_logprobs,
-            num_cached_tokens=state.num_cached_tokens,
-        )
+            ]
+        return RequestOutput(
+            state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished,
+            prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
+            num_generated_tokens=sum(len(c.token_ids) for c in completions),
+            metrics={} if first is None else {"first_token_time": first},
+        )  # fmt: skip
 
     def abort(self, user_request_id: str) -> list[str]:
         """Forget a user request; returns the engine request ids to abort."""
@@ -232,8 +278,35 @@ class OutputProcessor:
         state = self.states.pop(user_id)
         for engine_id in list(state.completions) or [user_id]:
             self.parent_of.pop(engine_id, None)
-            self.sampling_params.pop(engine_id, None)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.states)
+
+
+def _same(items: list) -> list:
+    return items
+
+
+def _delta(c: _Completion) -> CompletionOutput | None:
+    """What is new in a completion since its last output: text up to the part that could
+    still grow into a stop string (all of it once finished), and every token since. None when
+    there is no new text and it did not just finish (its tokens wait for the next output)."""
+    if c.sent_finish:
+        return None
+    hold = 0 if c.finish_reason else stop_holdback_len(c.text, c.params.stop)
+    end = len(c.text) - hold
+    if end <= c.num_sent_chars and c.finish_reason is None:
+        return None
+    start, token_start = c.num_sent_chars, c.num_sent_tokens
+    c.num_sent_chars, c.num_sent_tokens = max(end, start), len(c.token_ids)
+    c.sent_finish = c.finish_reason is not None
+    return CompletionOutput(
+        index=c.index,
+        text=c.text[start:end],
+        token_ids=c.token_ids[token_start:],
+        cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+        logprobs=c.logprobs[token_start:] if c.logprobs is not None else None,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+    )

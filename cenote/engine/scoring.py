@@ -1,10 +1,12 @@
 """Scoring, shared by ``LLM.score`` and the server's /score and /rerank routes: pairing texts
 (1 -> 1, 1 -> N, N -> N), reranker prompt templates, and the plan of pooling requests one score
 call runs — a cross-encoder reads each pair; bi-encoders compare embeddings (cosine) and
-late-interaction models token embeddings (MaxSim), in fp32. Running the plan is the caller's."""
+late-interaction models token embeddings (MaxSim), in fp32. The plan's requests come from the
+input processor; running them is the caller's (its engine client)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,14 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from cenote.engine.chat import render_template
-from cenote.engine.input_processor import InputProcessor, TokenizedPrompt
-from cenote.errors import InvalidInputError, UnsupportedTaskError
-from cenote.outputs import (
-    ClassificationOutput,
-    PoolingOutput,
-    PoolingRequestOutput,
-    ScoringOutput,
-)
+from cenote.engine.input_processor import InputProcessor, ParentRequest
+from cenote.errors import InvalidInputError
+from cenote.outputs import PoolingRequestOutput, ScoringOutput
 from cenote.pooling_params import PoolingParams
 
 # Qwen3-Reranker's prompt (model card), served with classifier_from_token ["no", "yes"]
@@ -31,6 +28,7 @@ QWEN3_RERANKER_TEMPLATE = (
     "<Document>: {{ document }}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     "{# the comment keeps the trailing newlines #}"
 )
+COHERE_MAX_TOKENS_PER_DOC = 4096  # rerank's default cut of each document (Cohere's)
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 
 ScoreInput = str | Sequence[str]
@@ -114,17 +112,15 @@ def maxsim_scores(queries: list[torch.Tensor], documents: list[torch.Tensor]) ->
 class ScorePlan:
     """The pooling requests one score call runs, and how their outputs become pair scores."""
 
-    prompts: list[TokenizedPrompt]  # what to run, in order
-    params: list[PoolingParams]  # one per prompt
-    output_class: type[PoolingOutput]  # what the engine returns per prompt
-    query_rows: list[int]  # per pair: the row of its query (or of the pair) in ``prompts``
+    requests: list[ParentRequest]  # what to run, in order
+    query_rows: list[int]  # per pair: the row of its query (or of the pair) in ``requests``
     document_rows: list[int] | None  # per pair: the row of its document; None: cross-encoder
     late_interaction: bool = False  # MaxSim over token embeddings instead of cosine
     sparse: bool = False  # dot product of sparse embeddings instead of cosine
     num_truncated_documents: int = 0  # documents cut (to fit, or to max_tokens_per_doc)
 
     def scores(self, outputs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
-        """One ``ScoringOutput`` per pair, in pair order, from the outputs of ``prompts``."""
+        """One ``ScoringOutput`` per pair, in pair order, from the outputs of ``requests``."""
         if self.document_rows is None:  # cross-encoder: the activated logit of each pair
             return [
                 PoolingRequestOutput(
@@ -152,24 +148,24 @@ class ScorePlan:
 
 def plan_scores(
     processor: InputProcessor,
+    request_id: str,
     pairs: list[tuple[str, str]],
-    truncate_prompt_tokens: int | None = None,
+    params: PoolingParams | None = None,
+    *,
     max_tokens_per_doc: int | None = None,
     instruction: str | None = None,
-    use_activation: bool | None = None,
     fit_documents: bool = False,
+    priority: int = 0,
 ) -> ScorePlan:
-    """Validate and tokenize the requests that score ``pairs`` on the processor's model.
-    ``max_tokens_per_doc`` cuts documents only (0: no cut); ``truncate_prompt_tokens`` cuts whole prompts
-    (for a cross-encoder pair, the document side). ``fit_documents`` (rerank, as Cohere and
-    Jina): documents too long for the model are cut to fit, queries are kept whole. Errors name
-    the query or document at fault by its index."""
-    caps = processor.capabilities
-    if caps.score_type is None:
-        raise UnsupportedTaskError(
-            f"task 'score' is not supported by {processor.model_config.served_model_name}; "
-            f"it supports {', '.join(caps.supported_tasks)}"
-        )
+    """The requests (ids ``{request_id}-{i}``) that score ``pairs`` on the processor's model.
+    ``params``: the caller's options (``truncate_prompt_tokens`` and ``truncation_side`` cut
+    whole prompts — for a cross-encoder pair, the document side; ``use_activation`` for
+    cross-encoders); the task is scoring's. ``max_tokens_per_doc`` cuts documents only (0: no
+    cut; rerank's default: 4096, Cohere's). ``fit_documents`` (rerank, as Cohere and Jina):
+    documents too long for the model are cut to fit, queries are kept whole. Errors name the query or document at fault by its
+    index."""
+    processor.check_task("score")
+    params = params or PoolingParams()
     if max_tokens_per_doc is not None and (
         not isinstance(max_tokens_per_doc, int) or max_tokens_per_doc < 0
     ):
@@ -179,19 +175,98 @@ def plan_scores(
         )
     if max_tokens_per_doc == 0:  # vLLM: 0 cuts nothing
         max_tokens_per_doc = None
-    if caps.score_type == "cross_encoder":
-        return _plan_cross_encoder(
-            processor, pairs, truncate_prompt_tokens, max_tokens_per_doc, instruction,
-            use_activation, fit_documents,
+    elif max_tokens_per_doc is None and fit_documents:
+        max_tokens_per_doc = COHERE_MAX_TOKENS_PER_DOC
+    plan = _Planner(processor, request_id, params, max_tokens_per_doc, fit_documents, priority)
+    if processor.capabilities.score_type == "cross_encoder":
+        return plan.cross_encoder(pairs, instruction)
+    return plan.embeddings(pairs)
+
+
+@dataclass
+class _Planner:
+    processor: InputProcessor
+    request_id: str
+    params: PoolingParams  # the caller's options
+    max_tokens_per_doc: int | None
+    fit_documents: bool
+    priority: int
+
+    def _requests(
+        self, prompts: list, params: PoolingParams, first: int, **options: Any
+    ) -> list[ParentRequest]:
+        ids = [f"{self.request_id}-{first + i}" for i in range(len(prompts))]
+        return self.processor.process_batch(ids, prompts, params, priority=self.priority, **options)
+
+    def cross_encoder(self, pairs: list[tuple[str, str]], instruction: str | None) -> ScorePlan:
+        """A one-label classifier reads each pair: ``[CLS] q [SEP] d [SEP]`` with segment
+        ids, or the model's prompt template; the score is its activated logit."""
+        processor = self.processor
+        num_labels = processor.capabilities.num_labels
+        if num_labels != 1:
+            raise InvalidInputError(
+                f"score needs a classifier with 1 label (a cross-encoder); "
+                f"{processor.model_config.served_model_name} has {num_labels}: use classify"
+            )
+        params = self.params.with_task("classify")
+        template = score_template(processor.model_config.hf_config)
+        num_cut = 0
+        if template is None:
+            if self.fit_documents and params.truncate_prompt_tokens is None:
+                params = dataclasses.replace(params, truncate_prompt_tokens=-1)
+            num_cut = _check_pairs(
+                processor, pairs, params.truncate_prompt_tokens, self.max_tokens_per_doc
+            )
+            prompts: list = [{"text": q, "text_pair": d} for q, d in pairs]
+            requests = self._requests(
+                prompts, params, 0, max_tokens_per_doc=self.max_tokens_per_doc
+            )
+        else:
+            if self.max_tokens_per_doc is not None:
+                limit = self.max_tokens_per_doc
+                pairs = [(q, processor.truncate_text(d, limit)) for q, d in pairs]
+            requests = self._requests(render_pairs(template, pairs, instruction), params, 0)
+        rows = list(range(len(requests)))
+        return ScorePlan(requests, rows, None, num_truncated_documents=num_cut)
+
+    def embeddings(self, pairs: list[tuple[str, str]]) -> ScorePlan:
+        """Embed each distinct query once and every document, then compare per pair."""
+        processor = self.processor
+        score_type = processor.capabilities.score_type
+        task = {"late_interaction": "token_embed", "sparse": "embed_sparse"}.get(
+            score_type or "", "embed"
+        )
+        truncate = self.params.truncate_prompt_tokens
+        doc_truncate = truncate
+        if self.max_tokens_per_doc is not None:
+            doc_truncate = min(self.max_tokens_per_doc, processor.model_config.max_model_len)
+            if truncate not in (None, -1):
+                doc_truncate = min(truncate, doc_truncate)
+        if self.fit_documents and doc_truncate is None:
+            doc_truncate = -1
+        num_cut = _check_texts(processor, pairs, truncate, doc_truncate)
+        side = self.params.truncation_side
+        query_params = PoolingParams(
+            task=task, truncate_prompt_tokens=truncate, truncation_side=side
+        )
+        document_params = dataclasses.replace(query_params, truncate_prompt_tokens=doc_truncate)
+        # 1) distinct queries (1 -> N embeds the query once)  2) documents after them
+        query_index: dict[str, int] = {}
+        for query, _ in pairs:
+            query_index.setdefault(query, len(query_index))
+        queries = self._requests(list(query_index), query_params, 0, role="query", label="query")
+        documents = self._requests(
+            [d for _, d in pairs], document_params, len(queries), role="document",
+            label="document",
         )  # fmt: skip
-    return _plan_embedding(
-        processor, pairs, truncate_prompt_tokens, max_tokens_per_doc, fit_documents
-    )
-
-
-def _num_tokens(processor: InputProcessor, texts: list[str]) -> list[int]:
-    """Tokens of each text, special tokens excluded."""
-    return [len(e.ids) for e in processor.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        return ScorePlan(
+            requests=queries + documents,
+            query_rows=[query_index[q] for q, _ in pairs],
+            document_rows=[len(queries) + i for i in range(len(pairs))],
+            late_interaction=score_type == "late_interaction",
+            sparse=score_type == "sparse",
+            num_truncated_documents=num_cut,
+        )
 
 
 def _limit(processor: InputProcessor, truncate_prompt_tokens: int | None) -> int:
@@ -206,48 +281,6 @@ def _too_long(what: str, num_tokens: int, limit: int) -> InvalidInputError:
     )
 
 
-def _plan_cross_encoder(
-    processor: InputProcessor,
-    pairs: list[tuple[str, str]],
-    truncate_prompt_tokens: int | None,
-    max_tokens_per_doc: int | None,
-    instruction: str | None,
-    use_activation: bool | None,
-    fit_documents: bool = False,
-) -> ScorePlan:
-    """A one-label classifier reads each pair: ``[CLS] q [SEP] d [SEP]`` with segment ids, or
-    the model's prompt template; the score is its activated logit."""
-    num_labels = processor.capabilities.num_labels
-    if num_labels != 1:
-        raise InvalidInputError(
-            f"score needs a classifier with 1 label (a cross-encoder); "
-            f"{processor.model_config.served_model_name} has {num_labels}: use classify"
-        )
-    params = PoolingParams(
-        task="classify", truncate_prompt_tokens=truncate_prompt_tokens,
-        use_activation=use_activation,
-    )  # fmt: skip
-    processor.check_pooling_params(params)
-    template = score_template(processor.model_config.hf_config)
-    num_cut = 0
-    if template is None:
-        if fit_documents and truncate_prompt_tokens is None:
-            truncate_prompt_tokens = -1
-        num_cut = _check_pairs(processor, pairs, truncate_prompt_tokens, max_tokens_per_doc)
-        prompts = processor.tokenize_pairs(pairs, truncate_prompt_tokens, max_tokens_per_doc)
-    else:
-        if max_tokens_per_doc is not None:
-            pairs = [(q, _cut_text(processor, d, max_tokens_per_doc)) for q, d in pairs]
-        prompts = processor.tokenize(
-            render_pairs(template, pairs, instruction), truncate_prompt_tokens
-        )
-    rows = list(range(len(prompts)))
-    return ScorePlan(
-        prompts, [params] * len(prompts), ClassificationOutput, rows, None,
-        num_truncated_documents=num_cut,
-    )  # fmt: skip
-
-
 def _check_pairs(
     processor: InputProcessor,
     pairs: list[tuple[str, str]],
@@ -258,8 +291,8 @@ def _check_pairs(
     number of documents that will be cut."""
     limit = _limit(processor, truncate_prompt_tokens)
     num_special = processor.tokenizer.num_special_tokens_to_add(is_pair=True)
-    query_lens = _num_tokens(processor, [q for q, _ in pairs])
-    document_lens = _num_tokens(processor, [d for _, d in pairs])
+    query_lens = processor.count_tokens([q for q, _ in pairs])
+    document_lens = processor.count_tokens([d for _, d in pairs])
     num_cut = 0
     for j, (query_len, document_len) in enumerate(zip(query_lens, document_lens, strict=True)):
         budget = (
@@ -270,59 +303,6 @@ def _check_pairs(
             raise _too_long(f"document {j} (with the query)", total, limit)
         num_cut += budget < document_len or total > limit
     return num_cut
-
-
-def _cut_text(processor: InputProcessor, text: str, max_tokens: int) -> str:
-    ids = processor.tokenizer.encode(text, add_special_tokens=False).ids
-    return text if len(ids) <= max_tokens else processor.tokenizer.decode(ids[:max_tokens])
-
-
-def _plan_embedding(
-    processor: InputProcessor,
-    pairs: list[tuple[str, str]],
-    truncate_prompt_tokens: int | None,
-    max_tokens_per_doc: int | None,
-    fit_documents: bool = False,
-) -> ScorePlan:
-    """Embed each distinct query once and every document, then compare per pair."""
-    late_interaction = processor.capabilities.score_type == "late_interaction"
-    task = "token_embed" if late_interaction else "embed"
-    sparse = processor.capabilities.score_type == "sparse"
-    if sparse:
-        task = "embed_sparse"
-    doc_truncate = truncate_prompt_tokens
-    if max_tokens_per_doc is not None:
-        limit = processor.model_config.max_model_len
-        doc_truncate = min(max_tokens_per_doc, limit)
-        if truncate_prompt_tokens not in (None, -1):
-            doc_truncate = min(truncate_prompt_tokens, doc_truncate)
-    if fit_documents and doc_truncate is None:
-        doc_truncate = -1
-    num_cut = _check_texts(processor, pairs, truncate_prompt_tokens, doc_truncate)
-    query_params = PoolingParams(task=task, truncate_prompt_tokens=truncate_prompt_tokens)
-    document_params = PoolingParams(task=task, truncate_prompt_tokens=doc_truncate)
-    processor.check_pooling_params(query_params)
-    # 1) distinct queries (1 -> N embeds the query once)  2) documents after them
-    query_index: dict[str, int] = {}
-    for query, _ in pairs:
-        query_index.setdefault(query, len(query_index))
-    queries = processor.tokenize(
-        list(query_index), truncate_prompt_tokens, role="query", label="query"
-    )
-    documents = processor.tokenize(
-        [d for _, d in pairs], doc_truncate, role="document", label="document"
-    )
-    num_queries = len(queries)
-    return ScorePlan(
-        prompts=queries + documents,
-        params=[query_params] * num_queries + [document_params] * len(documents),
-        output_class=PoolingOutput,
-        query_rows=[query_index[q] for q, _ in pairs],
-        document_rows=[num_queries + i for i in range(len(pairs))],
-        late_interaction=late_interaction,
-        sparse=sparse,
-        num_truncated_documents=num_cut,
-    )
 
 
 def _check_texts(
@@ -339,11 +319,12 @@ def _check_texts(
         first_pair: dict[str, int] = {}
         for j, (query, _) in enumerate(pairs):
             first_pair.setdefault(query, j)
-        for query, length in zip(first_pair, _num_tokens(processor, list(first_pair)), strict=True):
+        lengths = processor.count_tokens(list(first_pair))
+        for query, length in zip(first_pair, lengths, strict=True):
             if length + num_special > limit:
                 raise _too_long(f"query {first_pair[query]}", length + num_special, limit)
     document_limit = _limit(processor, document_truncate)
-    lengths = [n + num_special for n in _num_tokens(processor, [d for _, d in pairs])]
+    lengths = [n + num_special for n in processor.count_tokens([d for _, d in pairs])]
     if document_truncate is None:
         for j, length in enumerate(lengths):
             if length > limit:

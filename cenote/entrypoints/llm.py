@@ -6,16 +6,18 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from cenote.engine import scoring
-from cenote.engine.chat import render_chat, special_token_variables
+from cenote.engine.chat import special_token_variables
+from cenote.engine.client import InProcessClient
 from cenote.engine.core import EngineCore
-from cenote.engine.input_processor import InputProcessor, PromptType
-from cenote.engine.output_processor import OutputProcessor, RequestFailure
+from cenote.engine.input_processor import InputProcessor, per_prompt
+from cenote.engine.output_processor import OutputProcessor
 from cenote.engine_args import EngineArgs, with_engine_args
+from cenote.errors import InvalidInputTypeError
+from cenote.inputs import ChatPrompt, PromptType
 from cenote.models.tokenizer import load_chat_template, load_tokenizer
 from cenote.outputs import (
     ClassificationOutput,
@@ -27,10 +29,8 @@ from cenote.outputs import (
     SparseEmbeddingOutput,
 )
 from cenote.pooling_params import PoolingParams
-from cenote.sampling_params import SamplingParams
+from cenote.sampling_params import RequestOutputKind, SamplingParams
 from cenote.tasks import PoolingTask
-
-_TQDM_MIN_REQUESTS = 64  # shorter jobs get no progress bar
 
 
 class LLM:
@@ -63,6 +63,12 @@ class LLM:
     def supported_tasks(self) -> tuple[str, ...]:
         return self.engine.capabilities.supported_tasks
 
+    @cached_property
+    def client(self) -> InProcessClient:
+        """The engine loop (``cenote.engine.client``): every method here hands its prompts to
+        ``input_processor.process_batch`` and runs the requests through this client."""
+        return InProcessClient(self.engine, self.tokenizer)
+
     # ---- pooling ----------------------------------------------------------------------------
 
     def embed(
@@ -74,9 +80,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput[EmbeddingOutput]]:
         """One embedding per prompt, in input order."""
-        return self._pool(
-            prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, EmbeddingOutput
-        )
+        return self._pool(prompts, pooling_params, "embed", use_tqdm, truncate_prompt_tokens)
 
     def embed_sparse(
         self,
@@ -91,19 +95,10 @@ class LLM:
         """One sparse (SPLADE) embedding per prompt, in input order: ``outputs.pairs`` are its
         (token id, weight) pairs, largest first; only the ``max_active_dims`` largest when given;
         ``outputs.tokens`` are the vocabulary tokens of those ids when ``return_tokens``."""
-        if max_active_dims is not None:
-            pooling_params = [
-                dataclasses.replace(p, max_active_dims=max_active_dims)
-                for p in self._per_prompt(pooling_params, len(_as_list(prompts)), PoolingParams)
-            ]
         outputs = self._pool(
-            prompts,
-            pooling_params,
-            "embed_sparse",
-            truncate_prompt_tokens,
-            use_tqdm,
-            SparseEmbeddingOutput,
-        )
+            prompts, pooling_params, "embed_sparse", use_tqdm, truncate_prompt_tokens,
+            max_active_dims=max_active_dims,
+        )  # fmt: skip
         if return_tokens:
             for out in outputs:
                 out.outputs.tokens = [self.tokenizer.id_to_token(i) for i in out.outputs.token_ids]
@@ -119,9 +114,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput[PoolingOutput]]:
         """The raw pooler output of ``pooling_task`` per prompt (``outputs.data``)."""
-        return self._pool(
-            prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm, PoolingOutput
-        )
+        return self._pool(prompts, pooling_params, pooling_task, use_tqdm, truncate_prompt_tokens)
 
     def classify(
         self,
@@ -132,15 +125,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput[ClassificationOutput]]:
         """Class probabilities per prompt (``outputs.probs``; ``outputs.label_names``)."""
-        outputs = self._pool(
-            prompts,
-            pooling_params,
-            "classify",
-            truncate_prompt_tokens,
-            use_tqdm,
-            ClassificationOutput,
-        )
-        return self._with_labels(outputs)
+        return self._pool(prompts, pooling_params, "classify", use_tqdm, truncate_prompt_tokens)
 
     def reward(
         self,
@@ -154,14 +139,13 @@ class LLM:
         rows where token == ``step_tag_id``, columns ``returned_token_ids``) on models that
         serve ``token_classify``; else the last-token score (``classify``)."""
         task = "token_classify" if "token_classify" in self.supported_tasks else "classify"
-        return self._pool(
-            prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, PoolingOutput
-        )
+        return self._pool(prompts, pooling_params, task, use_tqdm, truncate_prompt_tokens)
 
     def score(
         self,
         text_1: str | Sequence[str],
         text_2: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
         max_tokens_per_doc: int | None = None,
@@ -169,74 +153,30 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput[ScoringOutput]]:
         """Relevance of each (text_1, text_2) pair (1 -> 1, 1 -> N, N -> N), in input order.
-        Classifiers score pairs as cross-encoders; embedding models compare embeddings (cosine);
-        late-interaction models compare token embeddings (MaxSim); sparse (SPLADE) models take
-        the dot product of their sparse embeddings."""
+        Classifiers score pairs as cross-encoders (``pooling_params.use_activation``: the
+        model's activation on the logit, default on); embedding models compare embeddings
+        (cosine); late-interaction models compare token embeddings (MaxSim); sparse (SPLADE)
+        models take the dot product of their sparse embeddings. ``pooling_params`` also carries
+        ``truncate_prompt_tokens`` and ``truncation_side``."""
         pairs = scoring.pair_texts(text_1, text_2)
+        (params,) = _bind([pooling_params or PoolingParams()], truncate_prompt_tokens)
         plan = scoring.plan_scores(
-            self.input_processor, pairs, truncate_prompt_tokens, max_tokens_per_doc, instruction
-        )
-        outputs = self._submit_pooling(plan.prompts, plan.params, plan.output_class, use_tqdm)
-        return plan.scores(outputs)
+            self.input_processor, self._next_id(), pairs, params,
+            max_tokens_per_doc=max_tokens_per_doc, instruction=instruction,
+        )  # fmt: skip
+        return plan.scores(self.client.run(plan.requests, use_tqdm))
 
-    def _with_labels(self, outputs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
-        names = self.engine.capabilities.label_names
-        if names is not None:
-            for out in outputs:
-                out.outputs.label_names = names
-        return outputs
-
-    def _pool(self, prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, output_class):
+    def _pool(self, prompts, pooling_params, task, use_tqdm, truncate_prompt_tokens, **changes):
+        """Run ``task`` on every prompt; ``truncate_prompt_tokens`` (and ``changes``), when
+        given, override the params'."""
         prompts = _as_list(prompts)
         if not prompts:
             return []
-        params_list = self._pooling_params(
-            pooling_params, len(prompts), task, truncate_prompt_tokens
+        params = per_prompt(
+            PoolingParams() if pooling_params is None else pooling_params, len(prompts)
         )
-        tokenized = self._tokenize_pooling(prompts, params_list)
-        return self._submit_pooling(tokenized, params_list, output_class, use_tqdm)
-
-    def _pooling_params(self, pooling_params, count, task, truncate_prompt_tokens):
-        """Per-prompt params bound to ``task``, validated before any work is queued."""
-        params_list = [
-            p.with_task(task) for p in self._per_prompt(pooling_params, count, PoolingParams)
-        ]
-        if truncate_prompt_tokens is not None:
-            params_list = [
-                dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
-                for p in params_list
-            ]
-        for params in params_list:
-            self.input_processor.check_pooling_params(params)
-        return params_list
-
-    def _tokenize_pooling(self, prompts, params_list) -> list:
-        """Tokenize, one batch per (truncation, side) group."""
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(params_list):
-            groups.setdefault((p.truncate_prompt_tokens, p.truncation_side), []).append(i)
-        tokenized = [None] * len(prompts)
-        for (truncate, side), indices in groups.items():
-            batch = self.input_processor.tokenize([prompts[i] for i in indices], truncate, side)
-            for i, tok in zip(indices, batch, strict=True):
-                tokenized[i] = tok
-        return tokenized
-
-    def _submit_pooling(self, tokenized, params_list, output_class, use_tqdm) -> list:
-        requests = [
-            self.input_processor.make_request(self._next_id(), tok, pooling_params=params)
-            for tok, params in zip(tokenized, params_list, strict=True)
-        ]
-        submitted: set[str] = set()
-        try:
-            for request, tok in zip(requests, tokenized, strict=True):
-                self.output_processor.add_pooling_request(request, tok.prompt, output_class)
-                submitted.add(request.request_id)
-                self.engine.add_request(request)
-        except BaseException:
-            self._abort(submitted)  # a request the engine refuses leaves none of its batch behind
-            raise
-        return self._run([r.request_id for r in requests], use_tqdm)
+        params = _bind([p.with_task(task) for p in params], truncate_prompt_tokens, **changes)
+        return self._run(prompts, params, use_tqdm)
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -247,34 +187,15 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Completions of each prompt, in input order."""
+        """Completions of each prompt, in input order (prompts may be text, token ids or chat
+        conversations: ``cenote.inputs``)."""
         prompts = _as_list(prompts)
         if not prompts:
             return []
-        params_list = self._per_prompt(sampling_params, len(prompts), SamplingParams)
-        tokenized = self.input_processor.tokenize(prompts, is_pooling=False)
-        for i, (tok, params) in enumerate(zip(tokenized, params_list, strict=True)):
-            self.input_processor.check_sampling_params(params, len(tok.prompt_token_ids), i)
-        user_ids = []
-        try:
-            for tok, params in zip(tokenized, params_list, strict=True):
-                user_id = self._next_id()
-                children = [
-                    self.input_processor.make_request(
-                        f"{i}_{user_id}" if params.n > 1 else user_id,
-                        tok,
-                        sampling_params=_child_params(params, i),
-                    )
-                    for i in range(params.n)
-                ]
-                self.output_processor.add_generation_request(user_id, tok.prompt, children)
-                user_ids.append(user_id)
-                for child in children:
-                    self.engine.add_request(child)
-        except BaseException:
-            self._abort(set(user_ids))  # a request the engine refuses leaves none of its batch
-            raise
-        return self._run(user_ids, use_tqdm)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        # offline calls read only the finished result: no output is built before
+        final = _bind(per_prompt(params, len(prompts)), output_kind=RequestOutputKind.FINAL_ONLY)
+        return self._run(prompts, final, use_tqdm)
 
     def chat(
         self,
@@ -288,71 +209,26 @@ class LLM:
         """Generate replies to one conversation or a list of them, using the model's chat
         template (or ``chat_template``), rendered in a Jinja sandbox."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        template = chat_template or self.chat_template
-        prompts = [
-            render_chat(template, conversation, add_generation_prompt, **self._template_tokens)
+        prompts: list[PromptType] = [
+            ChatPrompt(
+                messages=conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
             for conversation in conversations
         ]
-        tokenized = self.input_processor.tokenize(
-            prompts, add_special_tokens=False, is_pooling=False
-        )
-        return self.generate(
-            [
-                {"prompt": p, "prompt_token_ids": t.prompt_token_ids}
-                for p, t in zip(prompts, tokenized, strict=True)
-            ],
-            sampling_params,
-            use_tqdm=use_tqdm,
-        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
-        """Step the engine until every request in ``request_ids`` finished; outputs in that order."""
-        pending = set(request_ids)
-        finished: dict[str, Any] = {}
-        bar = tqdm(
-            total=len(request_ids),
-            desc="Processed prompts",
-            disable=not use_tqdm or len(request_ids) < _TQDM_MIN_REQUESTS,
-        )
-        try:
-            while pending:
-                step = self.engine.step()
-                outputs, to_abort = self.output_processor.process_outputs(step.outputs)
-                if to_abort:
-                    self.engine.abort_requests(to_abort)
-                for output in outputs:
-                    if isinstance(output, RequestFailure):
-                        raise output.error
-                    if output.finished and output.request_id in pending:
-                        pending.discard(output.request_id)
-                        finished[output.request_id] = output
-                        bar.update(1)
-        except BaseException:
-            self._abort(pending)
-            raise
-        finally:
-            bar.close()
-        return [finished[request_id] for request_id in request_ids]
-
-    def _abort(self, request_ids: set[str]) -> None:
-        for request_id in request_ids:
-            self.engine.abort_requests(self.output_processor.abort(request_id))
+    def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool) -> list:
+        """Process ``prompts`` (every one valid, or nothing runs) and run them to the end."""
+        ids = [self._next_id() for _ in prompts]
+        requests = self.input_processor.process_batch(ids, prompts, params)
+        return self.client.run(requests, use_tqdm)
 
     def _next_id(self) -> str:
         return str(next(self._request_counter))
-
-    @staticmethod
-    def _per_prompt(params, count: int, default_class: type) -> list:
-        if params is None:
-            return [default_class() for _ in range(count)]
-        if isinstance(params, default_class):
-            return [params] * count
-        params = list(params)
-        if len(params) != count:
-            raise ValueError(f"got {len(params)} parameter sets for {count} prompts")
-        return params
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -360,14 +236,18 @@ def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         return [prompts]
     if isinstance(prompts, Sequence):
         return list(prompts)
-    raise TypeError(
+    raise InvalidInputTypeError(
         f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}"
     )
 
 
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th of n completions; seeded requests get seed + i so completions differ."""
-    if params.n == 1:
+def _bind(params: list, truncate_prompt_tokens: int | None = None, **changes: Any) -> list:
+    """``params`` with the call's overrides (None: keep the params' value); params objects
+    shared by several prompts are copied once."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if truncate_prompt_tokens is not None:
+        changes["truncate_prompt_tokens"] = truncate_prompt_tokens
+    if not changes:
         return params
-    seed = params.seed + index if params.seed is not None else None
-    return dataclasses.replace(params, n=1, seed=seed)
+    copies = {id(p): dataclasses.replace(p, **changes) for p in params}
+    return [copies[id(p)] for p in params]

@@ -39,6 +39,7 @@ from cenote.server.protocol import (
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
+    chat_prompt,
 )
 from cenote.server.responses import (
     DetokenizeResponse,
@@ -244,11 +245,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     text = body.prompt
     add_special_tokens = body.add_special_tokens
     if body.messages is not None:
-        text = state.render_chat(
-            body.messages, body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
-        )  # fmt: skip
+        text = state.processor().render_chat(chat_prompt(body, body.messages))
         add_special_tokens = bool(add_special_tokens)  # the template writes them (vLLM)
     elif add_special_tokens is None:
         add_special_tokens = True

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from http import HTTPStatus
 from typing import Any
 
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cenote.errors import EngineDeadError, InvalidInputError, RequestFailedError
+from cenote.errors import CenoteError, EngineDeadError, InvalidInputError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,6 @@ class Overloaded(APIError):
 
 class Unavailable(APIError):
     status, type = 503, "service_unavailable"
-
-
-class EngineFailed(APIError):
-    status, type = 500, "internal_server_error"
 
 
 class BodyError(StarletteHTTPException):
@@ -107,8 +104,9 @@ _STATUS_DESCRIPTIONS = {
     404: "Unknown model",
     413: "Request body too large",
     429: "Overloaded: retry after the Retry-After header's seconds",
-    500: "Engine failure",
-    503: "The engine is starting or not running",
+    500: "A bug: a request that failed inside the engine, or an internal error (with an id "
+    "naming its traceback in the server log)",
+    503: "The engine is starting or not running (a core died): retry after Retry-After",
 }
 
 
@@ -187,18 +185,9 @@ def install_error_handlers(app: FastAPI) -> None:
         message, param = _validation_message(error)  # 400, as OpenAI and vLLM answer
         return error_response(400, message, "invalid_request_error", param)
 
-    @app.exception_handler(InvalidInputError)
-    async def _invalid_input(_: Request, error: InvalidInputError) -> JSONResponse:
-        return error_response(400, str(error), "invalid_request_error")
-
-    @app.exception_handler(RequestFailedError)
-    async def _request_failed(_: Request, error: RequestFailedError) -> JSONResponse:
-        # a bug inside the engine: the core logged the traceback; the engine goes on
-        return error_response(500, str(error), "internal_server_error")
-
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
-        return error_response(500, f"engine error: {error}", "internal_server_error")
+    @app.exception_handler(CenoteError)
+    async def _cenote_error(_: Request, error: CenoteError) -> JSONResponse:
+        return cenote_error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -214,7 +203,30 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unexpected error")
-        return error_response(
-            500, f"internal error: {type(error).__name__}", "internal_server_error"
-        )
+        status, message, type_, _param = describe_error(error)
+        return error_response(status, message, type_)
+
+
+def cenote_error_response(error: CenoteError) -> JSONResponse:
+    status, message, type_, param = describe_error(error)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return error_response(status, message, type_, param, headers)
+
+
+def describe_error(error: Exception) -> tuple[int, str, str, str | None]:
+    """(status, message, OpenAI type, param) of an error a request raised — also for one that
+    ends a stream. cenote's own errors map to their status on purpose: the client's mistakes
+    are 400 (with the field at fault when known), a gone engine is 503 (retry later or
+    elsewhere), a request that failed inside a working engine is 500 naming it (the core
+    logged its traceback); anything else is a bug (500, its traceback logged under an id)."""
+    if isinstance(error, InvalidInputError):  # incl. unsupported tasks and refused requests
+        return 400, str(error), "invalid_request_error", error.param
+    if isinstance(error, EngineDeadError):
+        return 503, f"engine error: {error}", "service_unavailable", None
+    if isinstance(error, RequestFailedError):
+        logger.error("%s", error)
+        return 500, str(error), "internal_server_error", None
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s", error_id, exc_info=error)
+    message = f"internal error: {type(error).__name__} (error id {error_id}, in the server log)"
+    return 500, message, "internal_server_error", None

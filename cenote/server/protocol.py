@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
+from cenote.errors import InvalidInputError
+from cenote.inputs import ChatPrompt, PromptType, TokensPrompt
+from cenote.pooling_params import PoolingParams
+from cenote.sampling_params import RequestOutputKind, SamplingParams
 from cenote.tasks import PoolingTask
 
 StrictInt = Annotated[int, Strict()]  # a JSON integer: true / 1.5 / "1" are refused
@@ -30,6 +34,40 @@ class _ChatInput(_Body):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
 
 
+def chat_prompt(body: _ChatInput | ChatCompletionRequest, messages: ChatMessages) -> ChatPrompt:
+    """``messages`` with the body's chat-template options."""
+    return ChatPrompt(
+        messages=messages,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )
+
+
+def prompts_of(input_: PromptInput | None) -> list[PromptType]:
+    """Text, texts, token ids or token-id lists as prompts (at least one, none empty)."""
+    if input_ is None:
+        raise InvalidInputError("pass exactly one of 'input' and 'messages'", param="input")
+    items: list[str] | list[list[int]]
+    if isinstance(input_, str):
+        items = [input_]
+    elif input_ and all(isinstance(x, int) for x in input_):
+        items = [[x for x in input_ if isinstance(x, int)]]
+    else:
+        items = cast("list[str] | list[list[int]]", list(input_))  # texts, or token-id lists
+    if not items:
+        raise InvalidInputError(
+            "input is empty: pass at least one text or token-id list", param="input"
+        )
+    for i, item in enumerate(items):
+        if not item:
+            kind = "string" if isinstance(item, str) else "token list"
+            raise InvalidInputError(f"input {i} is an empty {kind}", param="input")
+    return [
+        item if isinstance(item, str) else TokensPrompt(prompt_token_ids=item) for item in items
+    ]
+
+
 class _PoolingBody(_ChatInput):
     model: str | None = None
     input: PromptInput | None = None  # one or many texts or token-id lists
@@ -46,6 +84,30 @@ class _PoolingBody(_ChatInput):
     add_special_tokens: bool | None = None  # None: yes for input, no for messages (as vLLM)
     priority: StrictInt = 0
     request_id: str | None = None
+
+    def prompts(self) -> list[PromptType]:
+        """The prompts of ``input``, or one chat prompt of ``messages``."""
+        if self.messages is not None and self.input is None:
+            return [chat_prompt(self, self.messages)]
+        return prompts_of(self.input if self.messages is None else None)
+
+    def to_pooling_params(self, task: PoolingTask, auto_truncate: bool = False) -> PoolingParams:
+        """``auto_truncate``: inputs without ``truncate_prompt_tokens`` are cut to the model's
+        limit (the server's ``--auto-truncate``)."""
+        truncate = self.truncate_prompt_tokens
+        if truncate is None and auto_truncate:
+            truncate = -1
+        normalize = self.normalize
+        if normalize is None and task in ("embed", "token_embed"):
+            normalize = self.use_activation  # vLLM's newer name for embedding normalization
+        return PoolingParams(
+            task=task,
+            dimensions=self.dimensions,
+            normalize=normalize,
+            use_activation=self.use_activation,
+            truncate_prompt_tokens=truncate,
+            truncation_side=self.truncation_side,
+        )
 
 
 class EmbeddingRequest(_PoolingBody):
@@ -71,9 +133,18 @@ class _ScoringBody(_Body):
     max_tokens_per_doc: StrictInt | None = None  # cut each document to this many tokens
     use_activation: bool | None = None  # cross-encoders: sigmoid etc.; None = the model's default
     instruction: str | None = None  # for rerankers with a prompt template (Qwen3-Reranker)
+    truncation_side: Literal["left", "right"] = "right"  # which end truncation cuts
     user: str | None = None
     priority: StrictInt = 0
     request_id: str | None = None
+
+    def to_pooling_params(self) -> PoolingParams:
+        """The options scoring takes from the body (its task is scoring's)."""
+        return PoolingParams(
+            use_activation=self.use_activation,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side,
+        )
 
 
 ScoreTexts = str | list[str]
@@ -92,6 +163,23 @@ class ScoreRequest(_ScoringBody):
     text_1: ScoreTexts | None = None
     text_2: ScoreTexts | None = None
 
+    _FIELDS: ClassVar = (
+        ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2")
+    )  # fmt: skip
+
+    def texts(self) -> tuple[ScoreTexts, ScoreTexts]:
+        """The one pair of text fields the body gives (queries, documents)."""
+        sent = {n for names in self._FIELDS for n in names if getattr(self, n) is not None}
+        given = [names for names in self._FIELDS if sent.issuperset(names)]
+        if len(given) != 1 or sent != set(given[0]):
+            raise InvalidInputError(
+                "pass one pair of fields: queries and documents (or queries and items, data_1 "
+                "and data_2, text_1 and text_2)",
+                param="queries",
+            )
+        first, second = given[0]
+        return getattr(self, first), getattr(self, second)
+
 
 class RerankDocument(BaseModel):
     text: str
@@ -109,6 +197,33 @@ class RerankRequest(_ScoringBody):
     @property
     def document_texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
+
+    def texts(self) -> tuple[str, list[str]]:
+        """The query and the document texts (at least one)."""
+        if not self.documents:
+            raise InvalidInputError("rerank needs at least one document, got 0", param="documents")
+        if self.top_n is not None and self.top_n < 0:
+            raise InvalidInputError(
+                f"top_n must be 0 (all) or positive, got {self.top_n}", param="top_n"
+            )
+        return self.query, self.document_texts
+
+    def results(self, scores: list[float], return_documents: bool) -> list[dict[str, Any]]:
+        """By relevance (best first, ties in input order), the top ``top_n``; each with its
+        document unless ``return_documents`` (default: the route's) says otherwise."""
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        if self.top_n:
+            order = order[: self.top_n]
+        if self.return_documents is not None:
+            return_documents = self.return_documents
+        texts = self.document_texts
+        results = []
+        for i in order:
+            result: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+            if return_documents:
+                result["document"] = {"text": texts[i]}
+            results.append(result)
+        return results
 
 
 class StreamOptions(_Body):
@@ -153,6 +268,28 @@ class _GenerationBody(_Body):
     response_format: dict[str, Any] | None = None
     best_of: StrictInt | None = None
 
+    default_max_tokens: ClassVar[int | None] = None  # without max_tokens: the context left
+
+    def _sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        logit_bias: dict[int, float] | None,
+        output_kind: RequestOutputKind,
+    ) -> SamplingParams:
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=logit_bias,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side, output_kind=output_kind,
+        )  # fmt: skip
+
 
 class CompletionRequest(_GenerationBody):
     """POST /v1/completions."""
@@ -162,6 +299,23 @@ class CompletionRequest(_GenerationBody):
     echo: bool = False  # the prompt before the completion (with its logprobs when asked)
     suffix: str | None = None  # not implemented: refused when given
     add_special_tokens: bool = True
+
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's default
+
+    def prompts(self) -> list[PromptType]:
+        return prompts_of(self.prompt)
+
+    def to_sampling_params(
+        self,
+        logit_bias: dict[int, float] | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> SamplingParams:
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # echoed prompt tokens carry their logprobs
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling_params(
+            self.max_tokens, self.logprobs, prompt_logprobs, logit_bias, output_kind
+        )
 
 
 class ChatCompletionRequest(_GenerationBody):
@@ -175,6 +329,22 @@ class ChatCompletionRequest(_GenerationBody):
     continue_final_message: bool = False  # leave the last (assistant) message open
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the template writes the special tokens (vLLM)
+
+    def prompts(self) -> list[PromptType]:
+        return [chat_prompt(self, self.messages)]
+
+    def to_sampling_params(
+        self,
+        logit_bias: dict[int, float] | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        return self._sampling_params(
+            max_tokens, logprobs, self.prompt_logprobs, logit_bias, output_kind
+        )
 
 
 class TokenizeRequest(_ChatInput):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,86 +11,72 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from cenote.engine.input_processor import TokenizedPrompt
+from cenote.engine.input_processor import ParentRequest
+from cenote.errors import UnsupportedTaskError
 from cenote.outputs import CompletionOutput, RequestOutput
-from cenote.sampling.detokenizer import stop_holdback_len
-from cenote.sampling_params import SamplingParams
+from cenote.sampling_params import RequestOutputKind, SamplingParams
 from cenote.server.body import JSONRoute
-from cenote.server.errors import BadRequest
+from cenote.server.errors import BadRequest, describe_error
 from cenote.server.protocol import ChatCompletionRequest, CompletionRequest, _GenerationBody
 from cenote.server.responses import ChatCompletionResponse, CompletionResponse, schema
 from cenote.server.state import ServerState, get_state, new_request_id, with_cancellation
 
 router = APIRouter(route_class=JSONRoute)
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
-
 
 @router.post("/v1/completions", responses=schema(CompletionResponse, stream=True))
 async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
-    job = await state.offload(_completion_job, state, body)  # tokenization off the event loop
+    job = await state.offload(_job, state, body)  # tokenization off the event loop
     return await job.respond(raw_request)
-
-
-def _completion_job(state: ServerState, body: CompletionRequest) -> _Job:
-    """The validated, tokenized job of a completion request."""
-    _check_request(state, body)
-    if body.suffix is not None:
-        raise BadRequest("suffix is not supported: cenote does not fill in the middle", "suffix")
-    prompts = state.prompts_from(body.prompt, None, add_generation_prompt=False)
-    tokenized = _tokenize(state, body, prompts, add_special_tokens=body.add_special_tokens)
-    max_tokens = body.max_tokens
-    if max_tokens is None:
-        room = state.model_config.max_model_len - _longest(tokenized)
-        max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
-    prompt_logprobs = body.prompt_logprobs
-    if body.echo and body.logprobs is not None:  # echoed prompt tokens carry their logprobs
-        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
-    params = _sampling_params(state, body, tokenized, max_tokens, body.logprobs, prompt_logprobs)
-    return _Job(state, body, "cmpl", "text_completion", tokenized, params, chat=False)
 
 
 @router.post("/v1/chat/completions", responses=schema(ChatCompletionResponse, stream=True))
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
-    job = await state.offload(_chat_job, state, body)  # template + tokenizer off the event loop
+    job = await state.offload(_job, state, body)  # template + tokenizer off the event loop
     return await job.respond(raw_request)
 
 
-def _chat_job(state: ServerState, body: ChatCompletionRequest) -> _Job:
-    """The validated, tokenized job of a chat completion request."""
+def _job(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> _Job:
+    """The validated, tokenized job of a (chat) completion request."""
+    processor = state.processor()
     _check_request(state, body)
-    if body.top_logprobs and not body.logprobs:
-        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    text = state.render_chat(
-        body.messages, body.add_generation_prompt,
-        continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}),
+    chat = isinstance(body, ChatCompletionRequest)
+    prompts = body.prompts()
+    if not chat:
+        state.check_prompts(prompts)
+    _check_n(state, body, len(prompts))
+    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+    params = body.to_sampling_params(_logit_bias(state, body.logit_bias), kind)
+    prefix = "chatcmpl" if chat else "cmpl"
+    engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
+    # every engine request is built (and validated) before anything is sent or streamed
+    requests = processor.process_batch(
+        [f"{engine_id}-{i}" for i in range(len(prompts))], prompts, params,
+        priority=body.priority, add_special_tokens=body.add_special_tokens,
+        default_max_tokens=body.default_max_tokens,
     )  # fmt: skip
-    tokenized = _tokenize(state, body, [text], add_special_tokens=body.add_special_tokens)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.max_completion_tokens
-    if max_tokens is None:
-        max_tokens = body.max_tokens
-    if max_tokens is None:  # the rest of the context, as vLLM
-        max_tokens = max(state.model_config.max_model_len - _longest(tokenized), 1)
-    params = _sampling_params(state, body, tokenized, max_tokens, logprobs, body.prompt_logprobs)
-    return _Job(state, body, "chatcmpl", "chat.completion", tokenized, params, chat=True)
+    state.check_request_tokens(sum(len(r.prompt_token_ids) for r in requests))
+    object_name = "chat.completion" if chat else "text_completion"
+    return _Job(state, body, new_request_id(prefix, body.request_id), object_name, requests, params)
 
 
 def _check_request(state: ServerState, body: _GenerationBody) -> None:
-    """Model, task, the OpenAI fields cenote does not implement, and ``n``."""
-    state.processor()
+    """Model, task, and the OpenAI fields cenote does not implement."""
     state.check_model(body.model)
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options applies only when stream is true", "stream_options")
-    if "generate" not in state.supported_tasks:
+    try:
+        state.processor().check_task("generate")
+    except UnsupportedTaskError as e:
         raise BadRequest(
-            f"{state.model_name} does not generate text (task 'generate' is not supported); it "
-            f"supports {', '.join(state.supported_tasks)}: use /v1/embeddings, /pooling, "
-            "/classify, /score or /rerank",
-            param="model",
-        )
+            f"{e}: use /v1/embeddings, /pooling, /classify, /score or /rerank", param="model"
+        ) from e
+    if isinstance(body, CompletionRequest) and body.suffix is not None:
+        raise BadRequest("suffix is not supported: cenote does not fill in the middle", "suffix")
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     unsupported = {
         "tools": bool(body.tools),
         "functions": bool(body.functions),
@@ -109,28 +94,17 @@ def _check_request(state: ServerState, body: _GenerationBody) -> None:
             )
 
 
-def _tokenize(state: ServerState, body: _GenerationBody, prompts: list, add_special_tokens: bool):
-    processor = state.processor()
-    state.check_task("generate")
+def _check_n(state: ServerState, body: _GenerationBody, num_prompts: int) -> None:
+    """``n`` completions of every prompt must fit the server's queues."""
     capacity = state.engine_config.scheduler.max_num_seqs + state.options.max_waiting_requests
-    if len(prompts) * body.n > capacity:  # could never run: not a 429 to retry
+    if num_prompts * body.n > capacity:  # could never run: not a 429 to retry
         raise BadRequest(
-            f"n={body.n} for {len(prompts)} prompt(s) asks for {len(prompts) * body.n} "
+            f"n={body.n} for {num_prompts} prompt(s) asks for {num_prompts * body.n} "
             f"completions; this server holds at most {capacity} requests at once "
             "(max_num_seqs + max_waiting_requests)",
             param="n",
         )
-    state.check_capacity(len(prompts) * body.n)
-    tokenized = processor.tokenize(
-        prompts, body.truncate_prompt_tokens, body.truncation_side,
-        add_special_tokens=add_special_tokens, is_pooling=False,
-    )  # fmt: skip
-    state.check_request_tokens(sum(len(t.prompt_token_ids) for t in tokenized))
-    return tokenized
-
-
-def _longest(tokenized: list[TokenizedPrompt]) -> int:
-    return max(len(t.prompt_token_ids) for t in tokenized)
+    state.check_capacity(num_prompts * body.n)
 
 
 def _logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -150,60 +124,20 @@ def _logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, 
     return result
 
 
-def _sampling_params(
-    state: ServerState,
-    body: _GenerationBody,
-    tokenized: list[TokenizedPrompt],
-    max_tokens: int,
-    logprobs: int | None,
-    prompt_logprobs: int | None,
-) -> SamplingParams:
-    params = SamplingParams(
-        n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        seed=body.seed, max_tokens=max_tokens,
-        min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        logit_bias=_logit_bias(state, body.logit_bias),
-    )  # fmt: skip
-    for i, tok in enumerate(tokenized):
-        state.processor().check_sampling_params(params, len(tok.prompt_token_ids), i)
-    return params
-
-
 class _Job:
-    """One HTTP generation request: its prompts, their n completions, the response shape."""
+    """One HTTP generation request: its prompts' requests (n completions each), the response
+    shape. Streams read DELTA outputs, whole answers FINAL_ONLY ones."""
 
-    def __init__(self, state, body, prefix, object_name, tokenized, params, chat: bool) -> None:
+    def __init__(self, state, body, response_id, object_name, requests, params) -> None:
         self.state = state
         self.body = body
-        self.id = new_request_id(prefix, body.request_id)  # echoed to the client
-        self.engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
+        self.id = response_id  # echoed to the client
         self.object = object_name
-        self.tokenized = tokenized
-        self.params = params
-        self.chat = chat
+        self.requests: list[ParentRequest] = requests
+        self.params: SamplingParams = params
+        self.chat = isinstance(body, ChatCompletionRequest)
         self.created = int(time.time())
         self._offsets: dict[tuple[int, int], int] = {}  # text offset reached per choice
-        # every engine request is built (and validated) before anything is sent or streamed
-        self.children = [self._children(index, tok) for index, tok in enumerate(tokenized)]
-
-    def _children(self, index: int, tok: TokenizedPrompt) -> tuple[str, list]:
-        """The user-level id of prompt ``index`` and its n engine requests."""
-        user_id = f"{self.engine_id}-{index}"
-        children = [
-            self.state.processor().make_request(
-                f"{user_id}-{i}" if self.params.n > 1 else user_id,
-                tok,
-                sampling_params=_child_params(self.params, i),
-                priority=self.body.priority,
-            )
-            for i in range(self.params.n)
-        ]
-        return user_id, children
 
     async def respond(self, raw_request: Request) -> Response:
         if self.body.stream:
@@ -213,24 +147,22 @@ class _Job:
     # ---- running ----------------------------------------------------------------------------
 
     async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, snapshot) of every prompt, interleaved as they arrive."""
+        """(prompt index, output) of every prompt, interleaved as they arrive."""
         started = time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
+        client = self.state.client
 
-        async def pump(index: int, tok: TokenizedPrompt) -> None:
-            user_id, children = self.children[index]
-            first = True
+        async def pump(index: int, request_id: str) -> None:
             try:
-                async for output in self.state.client.generate(user_id, tok.prompt, children):
-                    if first:
-                        self.state.metrics.ttft.observe(time.monotonic() - started)
-                        first = False
+                async for output in client.outputs(request_id):
                     await queue.put((index, output))
                 await queue.put((index, None))
             except Exception as e:
                 await queue.put((index, e))
 
-        tasks = [asyncio.create_task(pump(i, tok)) for i, tok in enumerate(self.tokenized)]
+        timed: set[int] = set()  # prompts whose time to first token is recorded
+        client.add(self.requests)
+        tasks = [asyncio.create_task(pump(i, r.request_id)) for i, r in enumerate(self.requests)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -240,10 +172,15 @@ class _Job:
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    first_token = item.metrics.get("first_token_time")
+                    if first_token is not None and index not in timed:
+                        timed.add(index)
+                        self.state.metrics.ttft.observe(first_token - started)
                     yield index, item
         finally:
             for task in tasks:
                 task.cancel()
+            client.abort([r.request_id for r in self.requests])
             self.state.metrics.e2e.observe(time.monotonic() - started)
 
     @with_cancellation
@@ -254,7 +191,7 @@ class _Job:
         choices = []
         for index in sorted(final):
             for c in final[index].outputs:
-                choices.append(self._choice(index, c, final[index], c.text, c.token_ids, 0, True))
+                choices.append(self._choice(index, c, final[index], first=True))
         body = self._envelope(choices)
         body["usage"] = self._usage(final, record=True)
         if self.chat:
@@ -262,10 +199,8 @@ class _Job:
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     async def _stream(self) -> AsyncIterator[bytes]:
-        sent_text: dict[tuple[int, int], int] = {}
-        sent_tokens: dict[tuple[int, int], int] = {}
-        finished: set[tuple[int, int]] = set()  # choices whose finish_reason went out
-        final: dict[int, RequestOutput] = {}
+        seen: set[tuple[int, int]] = set()  # choices that had a chunk
+        final: dict[int, RequestOutput] = {}  # the last output of each prompt (usage)
         options = self.body.stream_options
         # usage in every chunk only together with include_usage (vLLM)
         continuous = (
@@ -273,55 +208,39 @@ class _Job:
         )
         try:
             if self.chat:
-                prompt_tokens = sum(len(t.prompt_token_ids) for t in self.tokenized)
+                prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
                 start_usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
                                "total_tokens": prompt_tokens}  # fmt: skip
-                for i in range(len(self.tokenized) * self.params.n):
+                for i in range(len(self.requests) * self.params.n):
                     delta = {"role": "assistant", "content": ""}
                     choice = {"index": i, "delta": delta, "finish_reason": None}
                     yield self._sse([choice], usage=start_usage if continuous else None)
-            async for index, output in self._outputs():
-                final[index] = output
+            async for index, output in self._outputs():  # DELTA: what is new, held back
+                final[index] = output  # while it could grow into a stop string
                 choices = []
                 for c in output.outputs:
                     key = (index, c.index)
-                    if key in finished:
-                        continue
-                    # hold back only a tail that could still grow into a stop string
-                    hold = 0 if c.finish_reason else stop_holdback_len(c.text, self.params.stop)
-                    end = len(c.text) - hold
-                    start, token_start = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                    if end <= start and not c.finish_reason:
-                        continue
-                    text, tokens = c.text[start:end], c.token_ids[token_start:]
-                    first = key not in sent_text
-                    sent_text[key], sent_tokens[key] = max(end, start), len(c.token_ids)
-                    if c.finish_reason:
-                        finished.add(key)
-                    choices.append(self._choice(index, c, output, text, tokens, token_start, first))
+                    choices.append(self._choice(index, c, output, first=key not in seen))
+                    seen.add(key)
                 for choice in choices:  # one choice per chunk, as OpenAI and vLLM stream
                     usage = self._usage(final) if continuous else None
                     yield self._sse([choice], chunk=True, usage=usage)
             usage = self._usage(final, record=True)
             if options is not None and options.include_usage:
                 yield self._sse([], chunk=True, usage=usage)
-        except Exception as e:
-            error = {"message": str(e), "type": "internal_server_error", "code": 500}
+        except Exception as e:  # the status the error would have had before the stream began
+            status, message, type_, _ = describe_error(e)
+            error = {"message": message, "type": type_, "code": status}
             yield b"data: " + msgspec.json.encode({"error": error}) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     # ---- response shapes --------------------------------------------------------------------
 
-    def _choice(
-        self, index, c: CompletionOutput, output: RequestOutput, text, token_ids, token_start,
-        first: bool,
-    ) -> dict:  # fmt: skip
+    def _choice(self, index, c: CompletionOutput, output: RequestOutput, first: bool) -> dict:
         """One choice (or a streamed delta of it); ``first``: its first appearance, which
         carries what belongs to the prompt (echo, prompt logprobs and token ids)."""
         choice_index = index * self.params.n + c.index
-        entries = None
-        if c.logprobs is not None:
-            entries = c.logprobs[token_start : token_start + len(token_ids)]
+        text, token_ids, entries = c.text, c.token_ids, c.logprobs
         if self.chat:
             key = "delta" if self.body.stream else "message"
             message = (
@@ -432,17 +351,9 @@ class _Job:
     def _usage(self, final: dict[int, RequestOutput], record: bool = False) -> dict[str, int]:
         """Tokens so far; ``record`` (once, at the end) adds them to the metrics."""
         prompt = sum(len(o.prompt_token_ids) for o in final.values())
-        completion = sum(len(c.token_ids) for o in final.values() for c in o.outputs)
+        completion = sum(o.num_generated_tokens for o in final.values())
         if record:
             self.state.metrics.prompt_tokens.inc(prompt)
             self.state.metrics.generation_tokens.inc(completion)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}  # fmt: skip
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th of n completions; seeded requests get seed + i so completions differ."""
-    if params.n == 1:
-        return params
-    seed = params.seed + index if params.seed is not None else None
-    return dataclasses.replace(params, n=1, seed=seed)

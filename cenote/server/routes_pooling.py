@@ -12,8 +12,8 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from cenote.messages import EngineCoreRequest
-from cenote.outputs import EmbeddingOutput, PoolingOutput, PoolingRequestOutput
+from cenote.engine.input_processor import ParentRequest
+from cenote.outputs import PoolingRequestOutput
 from cenote.pooling_params import PoolingParams
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest
@@ -36,7 +36,7 @@ async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Res
         from cenote.server.routes_sparse import sparse_embeddings
 
         return await sparse_embeddings(state, body)
-    outputs, request_id = await pool(state, body, "embed", "embd", EmbeddingOutput)
+    outputs, request_id = await pool(state, body, "embed", "embd")
     return await respond(state, request_id, outputs, body, "embedding")
 
 
@@ -45,26 +45,8 @@ async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Res
 async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
     task = body.task or _default_pooling_task(state)
-    outputs, request_id = await pool(state, body, task, "pool", PoolingOutput)
+    outputs, request_id = await pool(state, body, task, "pool")
     return await respond(state, request_id, outputs, body, "pooling")
-
-
-def _respond(
-    state: ServerState,
-    request_id: str,
-    outputs: list[PoolingRequestOutput],
-    body: _PoolingBody,
-    object_name: str,
-) -> Response:
-    """The response body of embeddings ("embedding") or pooling ("pooling") outputs."""
-    if body.encoding_format == "bytes":
-        return bytes_response(state, request_id, outputs, body)
-    key = "embedding" if object_name == "embedding" else "data"
-    data = [
-        {"object": object_name, "index": i, key: _encode(out.outputs.data, body)}
-        for i, out in enumerate(outputs)
-    ]
-    return list_response(state, request_id, data, outputs)
 
 
 async def respond(
@@ -74,12 +56,23 @@ async def respond(
     body: _PoolingBody,
     object_name: str,
 ) -> Response:
-    """The response, built off the event loop when its outputs are large (lists and JSON of
-    millions of numbers would stall every other request)."""
-    args = (state, request_id, outputs, body, object_name)
+    """The response body of embeddings ("embedding") or pooling ("pooling") outputs, built
+    off the event loop when they are large (lists and JSON of millions of numbers would stall
+    every other request)."""
+
+    def build() -> Response:
+        if body.encoding_format == "bytes":
+            return bytes_response(state, request_id, outputs, body)
+        key = "embedding" if object_name == "embedding" else "data"
+        data = [
+            {"object": object_name, "index": i, key: _encode(out.outputs.data, body)}
+            for i, out in enumerate(outputs)
+        ]
+        return list_response(state, request_id, data, outputs)
+
     if sum(out.outputs.data.numel() for out in outputs) <= _INLINE_RESPONSE_VALUES:
-        return _respond(*args)
-    return await state.offload(_respond, *args)
+        return build()
+    return await state.offload(build)
 
 
 def _default_pooling_task(state: ServerState) -> PoolingTask:
@@ -88,59 +81,40 @@ def _default_pooling_task(state: ServerState) -> PoolingTask:
 
 
 async def pool(
-    state: ServerState, body: _PoolingBody, task: PoolingTask, prefix: str, output_class: type
+    state: ServerState, body: _PoolingBody, task: PoolingTask, prefix: str
 ) -> tuple[list[PoolingRequestOutput], str]:
     """Run ``task`` on each input of ``body``; outputs in input order, and the request id."""
     # 1) validate and tokenize, off the event loop; 2) run in the core
-    requests, prompts, request_id = await state.offload(_prepare, state, body, task, prefix)
-    outputs = await state.run_pooling(requests, prompts, output_class)
+    requests, request_id = await state.offload(_prepare, state, body, task, prefix)
+    outputs = await state.run_pooling(requests)
     return outputs, request_id
 
 
 def _prepare(
     state: ServerState, body: _PoolingBody, task: PoolingTask, prefix: str
-) -> tuple[list[EngineCoreRequest], list[str | None], str]:
-    """The engine requests of ``body`` (validated, tokenized), their texts and the request id."""
+) -> tuple[list[ParentRequest], str]:
+    """The requests of ``body`` (validated, tokenized) and the request id."""
     processor = state.processor()
     state.check_model(body.model)
-    state.check_task(task)
-    prompts, add_special_tokens = _prompts(state, body)
+    prompts = body.prompts()
+    state.check_prompts(prompts)
     state.check_capacity(len(prompts))
-    truncate = body.truncate_prompt_tokens
-    if truncate is None and state.options.auto_truncate:
-        truncate = -1  # --auto-truncate: cut to the model's limit
-    normalize = body.normalize
-    if normalize is None and task in ("embed", "token_embed"):
-        normalize = body.use_activation  # vLLM's newer name for embedding normalization
-    params = PoolingParams(
-        task=task,
-        dimensions=body.dimensions,
-        normalize=normalize,
-        use_activation=body.use_activation,
-        truncate_prompt_tokens=truncate,
-        truncation_side=body.truncation_side,
-    )
-    processor.check_pooling_params(params)
-    tokenized = processor.tokenize(
-        prompts, truncate, body.truncation_side, add_special_tokens=add_special_tokens
-    )
-    num_tokens = sum(len(t.prompt_token_ids) for t in tokenized)
+    params = body.to_pooling_params(task, auto_truncate=state.options.auto_truncate)
+    request_id = new_request_id(prefix, body.request_id)  # echoed to the client
+    engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
+    requests = processor.process_batch(
+        [f"{engine_id}-{i}" for i in range(len(prompts))], prompts, params,
+        priority=body.priority, add_special_tokens=body.add_special_tokens,
+    )  # fmt: skip
+    num_tokens = sum(len(r.prompt_token_ids) for r in requests)
     state.check_request_tokens(num_tokens)
     if task in ("token_embed", "token_classify"):
         width = _output_width(state, params)
         state.check_response_values(num_tokens * width, f"{num_tokens} tokens x {width}")
     if task == "embed_sparse":  # up to one weight per vocabulary entry and input
         vocab = state.model_config.vocab_size
-        state.check_response_values(len(tokenized) * vocab, f"{len(tokenized)} inputs x {vocab}")
-    request_id = new_request_id(prefix, body.request_id)  # echoed to the client
-    engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
-    requests = [
-        processor.make_request(
-            f"{engine_id}-{i}", tok, pooling_params=params, priority=body.priority
-        )
-        for i, tok in enumerate(tokenized)
-    ]
-    return requests, [t.prompt for t in tokenized], request_id
+        state.check_response_values(len(requests) * vocab, f"{len(requests)} inputs x {vocab}")
+    return requests, request_id
 
 
 def _output_width(state: ServerState, params: PoolingParams) -> int:
@@ -149,20 +123,6 @@ def _output_width(state: ServerState, params: PoolingParams) -> int:
     if params.task == "token_embed":
         return params.dimensions or capabilities.embedding_size or 1
     return capabilities.num_labels or 1
-
-
-def _prompts(state: ServerState, body: _PoolingBody) -> tuple[list, bool]:
-    """The prompts of ``input`` or of chat ``messages``, and whether to add special tokens
-    (default: yes for input, no for messages — the chat template writes them, as in vLLM)."""
-    if body.messages is None or body.input is not None:
-        prompts = state.prompts_from(body.input, body.messages, add_generation_prompt=False)
-        return prompts, body.add_special_tokens is not False
-    text = state.render_chat(
-        body.messages, body.add_generation_prompt,
-        continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}),
-    )  # fmt: skip
-    state.check_prompts([text])
-    return [text], bool(body.add_special_tokens)
 
 
 def _encode(data: torch.Tensor, body: _PoolingBody) -> list | str:

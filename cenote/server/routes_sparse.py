@@ -43,7 +43,7 @@ async def embed_sparse(body: SparseEmbedRequest, raw_request: Request) -> JSONRe
         truncate_prompt_tokens=-1 if body.truncate else None,
         truncation_side=body.truncation_direction.lower(),
     )
-    outputs, _ = await pool(state, request, "embed_sparse", "sparse", SparseEmbeddingOutput)
+    outputs, _ = await pool(state, request, "embed_sparse", "sparse")
     return JSONResponse([_sparse_values(out.outputs) for out in outputs])
 
 
@@ -64,7 +64,7 @@ async def sparse_embeddings(state: ServerState, body: EmbeddingRequest) -> Respo
             f"'float', got {body.encoding_format!r}",
             "encoding_format",
         )
-    outputs, request_id = await pool(state, body, "embed_sparse", "embd", SparseEmbeddingOutput)
+    outputs, request_id = await pool(state, body, "embed_sparse", "embd")
     data = []
     for i, out in enumerate(outputs):
         entries = _sparse_values(out.outputs)

@@ -16,12 +16,12 @@ from fastapi import Request
 
 from cenote.config import EngineConfig
 from cenote.engine.async_client import AsyncEngineClient
-from cenote.engine.chat import render_chat, special_token_variables
+from cenote.engine.client import run_async
 from cenote.engine.dp_client import DataParallelEngineClient
-from cenote.engine.input_processor import InputProcessor, PromptType
-from cenote.messages import EngineCoreRequest
-from cenote.models.tokenizer import load_chat_template, load_tokenizer
-from cenote.outputs import PoolingOutput, PoolingRequestOutput
+from cenote.engine.input_processor import InputProcessor, ParentRequest
+from cenote.inputs import PromptType
+from cenote.models.tokenizer import load_tokenizer
+from cenote.outputs import PoolingRequestOutput
 from cenote.server.errors import BadRequest, ModelNotFound, Overloaded, Unavailable
 from cenote.server.metrics import ServerMetrics
 
@@ -61,8 +61,6 @@ class ServerState:
         self.model_name = self.model_config.served_model_name
         self.metrics = ServerMetrics(self.model_name)
         self.tokenizer = load_tokenizer(self.model_config)
-        self.chat_template = options.chat_template or load_chat_template(self.model_config)
-        self.template_tokens = special_token_variables(self.tokenizer, self.model_config.hf_config)
         self.client: AsyncEngineClient | DataParallelEngineClient
         if options.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {options.data_parallel_size}")
@@ -109,7 +107,9 @@ class ServerState:
 
     async def start(self) -> None:
         capabilities = await self.client.start()
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer, capabilities)
+        self.input_processor = InputProcessor(
+            self.model_config, self.tokenizer, capabilities, self.options.chat_template
+        )
 
     def _on_dead(self, reason: str) -> None:
         if self.on_engine_dead is not None:
@@ -140,13 +140,6 @@ class ServerState:
                 param="model",
             )
 
-    def check_task(self, task: str) -> None:
-        if task not in self.supported_tasks:
-            raise BadRequest(
-                f"task {task!r} is not supported by {self.model_name}; "
-                f"it supports {', '.join(self.supported_tasks)}"
-            )
-
     def check_capacity(self, num_new: int) -> None:
         """429 when the requests beyond ``max_num_seqs`` would pass ``max_waiting_requests``."""
         in_flight = self.client.num_unfinished
@@ -159,44 +152,19 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
 
-    def prompts_from(
-        self, input_: Any, messages: list[dict[str, Any]] | None, add_generation_prompt: bool
-    ) -> list[PromptType]:
-        """Normalize ``input`` (text, texts, token ids, token-id lists) or chat ``messages``."""
-        if (input_ is None) == (messages is None):
-            raise BadRequest("pass exactly one of 'input' and 'messages'", param="input")
-        if messages is not None:
-            return [self.render_chat(messages, add_generation_prompt)]
-        if isinstance(input_, str):
-            prompts: list[PromptType] = [input_]
-        elif input_ and all(isinstance(x, int) for x in input_):
-            prompts = [{"prompt_token_ids": list(input_)}]
-        elif input_ and all(isinstance(x, list) for x in input_):
-            prompts = [{"prompt_token_ids": list(ids)} for ids in input_]
-        else:
-            prompts = list(input_)
-        self.check_prompts(prompts)
-        return prompts
-
     def check_prompts(self, prompts: list[PromptType]) -> None:
+        """At most ``max_inputs`` inputs of at most ``max_input_chars`` characters each."""
         limit, char_limit = self.options.max_inputs, self.options.max_input_chars
-        if not prompts:
-            raise BadRequest("input is empty: pass at least one text or token-id list", "input")
         if len(prompts) > limit:
             raise BadRequest(
                 f"got {len(prompts)} inputs, the limit per request is {limit}", param="input"
             )
         for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                if not prompt:
-                    raise BadRequest(f"input {i} is an empty string", param="input")
-                if len(prompt) > char_limit:
-                    raise BadRequest(
-                        f"input {i} has {len(prompt)} characters, the limit is {char_limit}",
-                        param="input",
-                    )
-            elif not prompt.get("prompt_token_ids"):
-                raise BadRequest(f"input {i} is an empty token list", param="input")
+            if isinstance(prompt, str) and len(prompt) > char_limit:
+                raise BadRequest(
+                    f"input {i} has {len(prompt)} characters, the limit is {char_limit}",
+                    param="input",
+                )
 
     def check_texts(self, texts: list[str], param: str) -> None:
         """Scoring inputs: at most ``max_inputs`` texts of at most ``max_input_chars`` each."""
@@ -211,23 +179,12 @@ class ServerState:
                     f"{param}[{i}] has {len(text)} characters, the limit is {char_limit}", param
                 )
 
-    def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, **variables: Any
-    ) -> str:
-        variables = {**self.template_tokens, **variables}
-        return render_chat(self.chat_template, messages, add_generation_prompt, **variables)
-
     # ---- running ------------------------------------------------------------------------------
 
-    async def run_pooling(
-        self,
-        requests: list[EngineCoreRequest],
-        prompts: list[str | None],
-        output_class: type[PoolingOutput],
-    ) -> list[PoolingRequestOutput]:
+    async def run_pooling(self, requests: list[ParentRequest]) -> list[PoolingRequestOutput]:
         """Run pooling requests in the core, in order; records latency and prompt tokens."""
         started = time.monotonic()
-        outputs = await self.client.pool(requests, prompts, output_class)
+        outputs = await run_async(self.client, requests)
         elapsed = time.monotonic() - started
         self.metrics.ttft.observe(elapsed)
         self.metrics.e2e.observe(elapsed)

@@ -1,0 +1,153 @@
+"""Engine clients: how a front end runs processed requests (``InputProcessor.process``) on an
+engine core and reads their outputs — ``add`` / ``abort`` / ``outputs``.
+
+- ``InProcessClient`` (here): the core in this process, the offline ``LLM``'s loop;
+  ``outputs()`` runs one engine step.
+- ``AsyncEngineClient`` (``async_client.py``): the core in its own process (the server);
+  ``outputs(request_id)`` streams one request's outputs.
+- ``DataParallelEngineClient`` (``dp_client.py``): N such cores behind the same surface.
+
+Each owns an ``OutputProcessor``; which outputs a generation request gets is its params'
+``output_kind``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Protocol
+
+from tokenizers import Tokenizer
+from tqdm.auto import tqdm
+
+from cenote.engine.capabilities import ModelCapabilities
+from cenote.engine.core import EngineCore, refused_output
+from cenote.engine.input_processor import ParentRequest
+from cenote.engine.output_processor import (
+    OutputProcessor,
+    RequestFailure,
+    UserOutput,
+    as_exception,
+)
+
+_TQDM_MIN_REQUESTS = 64  # shorter jobs get no progress bar
+
+
+class EngineClient(Protocol):
+    """What every front end needs from an engine, wherever its core runs."""
+
+    @property
+    def capabilities(self) -> ModelCapabilities | None: ...
+
+    def add(self, requests: Sequence[ParentRequest]) -> None:
+        """Start running ``requests`` (all of them, or none when one is refused)."""
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop and forget user requests (finished or unknown ids are ignored)."""
+
+
+class SyncClient(EngineClient, Protocol):
+    def outputs(self) -> list[UserOutput]:
+        """Run the engine one step; the user outputs it produced."""
+
+
+class AsyncClient(EngineClient, Protocol):
+    def outputs(self, request_id: str) -> AsyncIterator[UserOutput]:
+        """The outputs of one added request until it finishes (its failure raises); leaving
+        early aborts it."""
+
+
+class InProcessClient:
+    """The engine core in this process, stepped by whoever reads ``outputs()``."""
+
+    def __init__(self, engine: EngineCore, tokenizer: Tokenizer) -> None:
+        self.engine = engine
+        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor.label_names = engine.capabilities.label_names
+
+    @property
+    def capabilities(self) -> ModelCapabilities:
+        return self.engine.capabilities
+
+    def add(self, requests: Sequence[ParentRequest]) -> None:
+        """All or none: a request the core refuses (``RequestRejectedError``) leaves none of
+        ``requests`` behind."""
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.output_processor.add_request(request)
+                added.append(request.request_id)
+                for child in request.children:
+                    try:
+                        self.engine.add_request(child)
+                    except Exception as e:  # as the core process reports it to the server
+                        error = refused_output(child.request_id, e).error
+                        assert error is not None
+                        raise as_exception(error, request.request_id) from e
+        except BaseException:
+            self.abort(added)
+            raise
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort_requests(self.output_processor.abort(request_id))
+
+    def outputs(self) -> list[UserOutput]:
+        step = self.engine.step()
+        outputs, to_abort = self.output_processor.process_outputs(step.outputs)
+        if to_abort:
+            self.engine.abort_requests(to_abort)
+        return outputs
+
+    def run(self, requests: Sequence[ParentRequest], use_tqdm: bool = False) -> list[UserOutput]:
+        """Add ``requests``, step until all finished; their final outputs in the same order."""
+        self.add(requests)
+        return self.wait([r.request_id for r in requests], use_tqdm)
+
+    def wait(self, request_ids: list[str], use_tqdm: bool = False) -> list[UserOutput]:
+        """Step until every request of ``request_ids`` finished; their final outputs in that
+        order. A failed request raises its error, and the others are aborted."""
+        pending = set(request_ids)
+        finished: dict[str, UserOutput] = {}
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm or len(request_ids) < _TQDM_MIN_REQUESTS,
+        )
+        try:
+            while pending:
+                for output in self.outputs():
+                    if isinstance(output, RequestFailure):
+                        raise output.error
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            self.abort(pending)
+            raise
+        finally:
+            bar.close()
+        return [finished[request_id] for request_id in request_ids]
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.output_processor.num_unfinished
+
+
+async def run_async(client: AsyncClient, requests: Sequence[ParentRequest]) -> list[UserOutput]:
+    """Add ``requests`` and wait for each one's final output; results in the same order. A
+    failure raises; leaving early (cancelled) aborts every request still running."""
+    client.add(requests)
+    try:
+        return [await final_output(client, request.request_id) for request in requests]
+    finally:
+        client.abort([r.request_id for r in requests])
+
+
+async def final_output(client: AsyncClient, request_id: str) -> UserOutput:
+    """The last output of an added request: its finished result."""
+    last = None
+    async for output in client.outputs(request_id):
+        last = output
+    assert last is not None and last.finished
+    return last

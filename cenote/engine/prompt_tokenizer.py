@@ -1,0 +1,142 @@
+"""Texts -> token ids as this model's users expect them: one batched tokenizer call, truncation
+as the tokenizer's own (room left for the special tokens), sentence-transformers' instruction
+prompt and lower-casing, ColBERT's query / document markers, cross-encoder pairs with segment
+ids. The input processor is its one caller; it validates what comes out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from tokenizers import Encoding, Tokenizer
+
+from cenote.config import ModelConfig
+from cenote.errors import InvalidInputError
+from cenote.models.colbert import TextRole, colbert_prompts
+
+
+@dataclass
+class TokenizedPrompt:
+    prompt: str | None  # the text, when the prompt was text
+    prompt_token_ids: list[int]
+    token_type_ids: list[int] | None = None  # segment ids (cross-encoder pairs)
+    num_instruction_tokens: int = 0  # leading tokens of the prepended instruction prompt
+
+
+class PromptTokenizer:
+    """The model's tokenizer with its sentence-transformers and ColBERT settings. The shared
+    tokenizer is never toggled (no ``enable_truncation``), so threads may share it."""
+
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Tokenizer, uses_token_type_ids: bool
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.uses_token_type_ids = uses_token_type_ids
+        st = model_config.st_config
+        self.do_lower_case = bool(st and st.do_lower_case)
+        self.default_prompt = ""
+        if st is not None and st.default_prompt_name:
+            self.default_prompt = st.prompts.get(st.default_prompt_name, "")
+        self.colbert = colbert_prompts(model_config, tokenizer)  # None: not ColBERT
+
+    def texts(
+        self,
+        texts: list[str],
+        max_length: int | None,
+        side: str,
+        add_special_tokens: bool,
+        is_pooling: bool,
+        role: TextRole = "document",
+    ) -> list[TokenizedPrompt]:
+        """Token ids of ``texts``, at most ``max_length`` each. Pooled texts get the model's
+        instruction prompt in front and, on a ColBERT model, the marker of ``role``."""
+        colbert = self.colbert if is_pooling else None
+        if colbert is not None:  # the marker after [CLS] takes one of the tokens
+            limit = colbert.max_length(role) - 1
+            max_length = limit if max_length is None else min(max_length - 1, limit)
+        if is_pooling:
+            texts_in = [self.default_prompt + t for t in texts]
+            if self.do_lower_case:
+                texts_in = [t.lower() for t in texts_in]
+        else:
+            texts_in = texts
+        encoded = self._encode(texts_in, max_length, side, add_special_tokens)
+        num_instruction = self.instruction_length if is_pooling and self.default_prompt else 0
+        results = []
+        for text, encoding in zip(texts, encoded, strict=True):
+            ids = list(encoding.ids)
+            if colbert is not None:
+                ids = colbert.format(ids, role)
+            results.append(TokenizedPrompt(text, ids, num_instruction_tokens=num_instruction))
+        return results
+
+    def _encode(
+        self, texts: list[str], max_length: int | None, side: str, add_special_tokens: bool
+    ) -> list[Encoding]:
+        if max_length is None:
+            return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        # Truncate as the tokenizer's own truncation does (the text is cut to leave room for the
+        # special tokens), without toggling the shared tokenizer: safe from several threads.
+        room = max_length
+        if add_special_tokens:
+            room = max(max_length - self.tokenizer.num_special_tokens_to_add(is_pair=False), 0)
+        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        for encoding in encoded:
+            if len(encoding.ids) > room:
+                encoding.truncate(room, direction=side)
+        return [self.tokenizer.post_process(e, None, add_special_tokens) for e in encoded]
+
+    def pairs(
+        self,
+        pairs: list[tuple[str, str]],
+        max_length: int | None,
+        max_tokens_per_doc: int | None,
+        indices: list[int],
+    ) -> list[TokenizedPrompt]:
+        """Cross-encoder inputs: ``[CLS] query [SEP] document [SEP]`` with segment ids. The
+        document is cut first (``max_tokens_per_doc``, then to fit ``max_length``); a query
+        that alone exceeds the limit is an error naming its pair (``indices``)."""
+        num_special = self.tokenizer.num_special_tokens_to_add(is_pair=True)
+        queries = self.tokenizer.encode_batch([q for q, _ in pairs], add_special_tokens=False)
+        documents = self.tokenizer.encode_batch([d for _, d in pairs], add_special_tokens=False)
+        results = []
+        for index, query, document in zip(indices, queries, documents, strict=True):
+            doc_budget = len(document.ids)
+            if max_tokens_per_doc is not None:
+                doc_budget = min(doc_budget, max_tokens_per_doc)
+            if max_length is not None:
+                room = max_length - num_special - len(query.ids)
+                if room < 0:
+                    raise InvalidInputError(
+                        f"pair {index}: the query has {len(query.ids)} tokens (+{num_special} "
+                        f"special), more than truncate_prompt_tokens={max_length}; documents are "
+                        "cut, queries are not"
+                    )
+                doc_budget = min(doc_budget, room)
+            if doc_budget < len(document.ids):
+                document.truncate(doc_budget)
+            pair = self.tokenizer.post_process(query, document, add_special_tokens=True)
+            token_types = list(pair.type_ids) if self.uses_token_type_ids else None
+            results.append(TokenizedPrompt(None, list(pair.ids), token_types))
+        return results
+
+    def cut_text(self, text: str, max_tokens: int) -> str:
+        """``text`` cut to its first ``max_tokens`` tokens (no special tokens)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return text if len(ids) <= max_tokens else self.tokenizer.decode(ids[:max_tokens])
+
+    def count(self, texts: list[str]) -> list[int]:
+        """Tokens of each text, special tokens excluded."""
+        return [len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    @cached_property
+    def instruction_length(self) -> int:
+        """Tokens of the default instruction prompt as sentence-transformers counts them: the
+        prompt tokenized alone, special tokens included, less a trailing special token."""
+        prompt = self.default_prompt.lower() if self.do_lower_case else self.default_prompt
+        encoding = self.tokenizer.encode(prompt)
+        special = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        length = len(encoding.ids)
+        if length and (encoding.special_tokens_mask[-1] or encoding.ids[-1] in special):
+            length -= 1
+        return length
