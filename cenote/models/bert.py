@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ from cenote.models.weights import copy_weight
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, config: dict, position_offset: int) -> None:
+    def __init__(self, config: dict[str, Any], position_offset: int) -> None:
         super().__init__()
         hidden = config["hidden_size"]
         self.word_embeddings = nn.Embedding(config["vocab_size"], hidden)
@@ -40,7 +41,7 @@ class BertEmbeddings(nn.Module):
 class BertLayer(nn.Module):
     """Post-norm encoder layer with a fused QKV projection."""
 
-    def __init__(self, config: dict, layer_idx: int) -> None:
+    def __init__(self, config: dict[str, Any], layer_idx: int) -> None:
         super().__init__()
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         eps = config.get("layer_norm_eps", 1e-12)
@@ -75,7 +76,7 @@ class BertModel(nn.Module):
     """The encoder trunk: ``forward(input_ids, positions) -> hidden_states [num_tokens, hidden]``."""
 
     is_causal = False
-    checkpoint_prefixes = ("bert.", "model.")
+    checkpoint_prefixes: tuple[str, ...] = ("bert.", "model.")
     has_classifier_head = False  # a task head (bert_classifiers.py) loads ``classifier.*``
 
     def __init__(self, model_config: ModelConfig) -> None:
@@ -91,7 +92,7 @@ class BertModel(nn.Module):
         self.has_pooler_weights = False
 
     @staticmethod
-    def _position_offset(config: dict) -> int:
+    def _position_offset(config: dict[str, Any]) -> int:
         return 0
 
     def forward(
@@ -114,7 +115,7 @@ class BertModel(nn.Module):
             if target is None:
                 continue
             our_name, shard = target
-            param = params[our_name]
+            param: torch.Tensor = params[our_name]
             if shard is not None:
                 size = param.shape[0] // 3
                 param = param[shard * size : (shard + 1) * size]
@@ -147,7 +148,7 @@ class BertModel(nn.Module):
         return None
 
     def required_parameters(self) -> set[str]:
-        names = set()
+        names: set[str] = set()
         for name, _ in self.named_parameters():
             if name.startswith("pooler_dense."):
                 continue
@@ -168,5 +169,5 @@ class RobertaModel(BertModel):
     checkpoint_prefixes = ("roberta.", "model.")
 
     @staticmethod
-    def _position_offset(config: dict) -> int:
+    def _position_offset(config: dict[str, Any]) -> int:
         return int(config.get("pad_token_id", 1)) + 1

@@ -53,7 +53,7 @@ class CheckpointMap:
                     f"checkpoint tensor {name!r} has no place in {type(model).__name__}; "
                     "does config.json name the right architecture?"
                 )
-            target = params[slot.param]
+            target: torch.Tensor = params[slot.param]
             if slot.shard is not None:
                 size = target.shape[0] // slot.num_shards
                 target = target[slot.shard * size : (slot.shard + 1) * size]

@@ -179,6 +179,8 @@ class DistilBertForMaskedLM(DistilBertModel):
         """``hidden [N, dim]`` -> fp32 vocabulary logits ``[N, vocab_size]``."""
         x = self.act(_linear_fp32(hidden, self.vocab_transform))
         norm = self.vocab_layer_norm
+        assert norm.bias is not None
         x = F.layer_norm(x, (self.hidden_size,), norm.weight.float(), norm.bias.float(), _EPS)
         weight = self.embeddings.word_embeddings.weight if self.tied else self.vocab_weight
+        assert weight is not None
         return F.linear(x, weight.float(), self.vocab_bias.float())

@@ -176,11 +176,15 @@ class Gemma3Model(nn.Module):
             int(window) if kind == "sliding_attention" and window is not None else None
             for kind in self.layer_types
         ]
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, w, causal) for i, w in enumerate(self.windows)
-        )
+        layers = [Gemma3DecoderLayer(config, i, w, causal) for i, w in enumerate(self.windows)]
+        self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
-        head_dim = self.layers[0].self_attn.head_dim
+        attention = layers[0].self_attn  # every layer has the same sizes
+        self.num_kv_heads: int = attention.num_kv_heads
+        self.head_dim: int = attention.head_dim
+        self.q_size: int = attention.q_size
+        self.kv_size: int = attention.kv_size
+        head_dim = self.head_dim
         rope = gemma3_rope_parameters(config)
         self.rotary = {
             kind: RotaryEmbedding(head_dim, {**config, "rope_parameters": rope[kind]})
@@ -228,13 +232,13 @@ class Gemma3Base(nn.Module):
         self.model = Gemma3Model(config, bidirectional, causal)
         if config.get("attn_logit_softcapping") is not None:
             logger.info("attn_logit_softcapping is ignored, as transformers' Gemma 3 ignores it")
-        attention = self.model.layers[0].self_attn
-        self.hidden_size = config["hidden_size"]
-        self.num_layers = len(self.model.layers)
-        self.num_kv_heads = attention.num_kv_heads
-        self.head_dim = attention.head_dim
-        self.kv_sliding_window = kv_free_window(self.model.windows)
-        q, kv, intermediate = attention.q_size, attention.kv_size, config["intermediate_size"]
+        trunk = self.model
+        self.hidden_size: int = config["hidden_size"]
+        self.num_layers = len(trunk.layers)
+        self.num_kv_heads = trunk.num_kv_heads
+        self.head_dim = trunk.head_dim
+        self.kv_sliding_window = kv_free_window(trunk.windows)
+        q, kv, intermediate = trunk.q_size, trunk.kv_size, config["intermediate_size"]
         self._shard_rows = {
             "q": (0, q),
             "k": (q, q + kv),
@@ -274,7 +278,7 @@ class Gemma3Base(nn.Module):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
                 )
-            target = params[our_name]
+            target: torch.Tensor = params[our_name]
             if shard is not None:
                 start, end = self._shard_rows[shard]
                 target = target[start:end]

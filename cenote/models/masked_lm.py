@@ -80,6 +80,8 @@ class BertForMaskedLM(BertModel):
         """``hidden [N, hidden]`` -> fp32 vocabulary logits ``[N, vocab_size]``."""
         x = self.transform_act(_linear_fp32(hidden, self.transform))
         norm = self.transform_norm
+        assert norm.bias is not None
         x = F.layer_norm(x, (self.hidden_size,), norm.weight.float(), norm.bias.float(), norm.eps)
         weight = self.embeddings.word_embeddings.weight if self.tied else self.decoder_weight
+        assert weight is not None
         return F.linear(x, weight.float(), self.decoder_bias.float())

@@ -51,9 +51,10 @@ def relative_position_bucket(relative_position: torch.Tensor) -> torch.Tensor:
 class MPNetLayer(BertLayer):
     """BERT's layer with the relative position bias added to the attention scores."""
 
-    def forward(self, x: torch.Tensor, bias_fn: EncoderMaskFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask_fn: EncoderMaskFn | None = None) -> torch.Tensor:
+        """``mask_fn``: the relative position bias of the step's requests."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        x = self.attn_norm(x + self.attn_out(self.attn(q, k, v, mask_fn=bias_fn)))
+        x = self.attn_norm(x + self.attn_out(self.attn(q, k, v, mask_fn=mask_fn)))
         return self.output_norm(x + self.output(self.act(self.intermediate(x))))
 
 

@@ -168,8 +168,9 @@ class NomicBertModel(nn.Module):
                     continue
                 slot = parts.setdefault(index, [None, None, None])
                 slot[_NATIVE_QKV[module]] = tensor
-                if all(t is not None for t in slot):
-                    yield f"encoder.layers.{index}.attn.Wqkv.weight", torch.cat(slot)
+                stacked = [t for t in slot if t is not None]
+                if len(stacked) == len(slot):
+                    yield f"encoder.layers.{index}.attn.Wqkv.weight", torch.cat(stacked)
 
         return load_by_name(self, with_stacked_qkv(), self._map_name)
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cenote.config import ModelConfig
+from cenote.models.layers.quant import QuantizedWeight
 from cenote.models.llama import LlamaDecoder
 from cenote.pooling.activation import Activation
 from cenote.pooling.methods import PoolingMethod
@@ -50,14 +51,17 @@ class Qwen2RewardBase(LlamaDecoder):
     def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 rewards ``[N, num_labels]`` (the head runs in fp32)."""
         first, last = self.score[0], self.score[2]
+        assert isinstance(first, nn.Linear) and isinstance(last, nn.Linear)
         x = F.relu(F.linear(hidden.float(), first.weight.float(), first.bias.float()))
         return F.linear(x, last.weight.float(), last.bias.float())  # [N, num_labels]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+    ) -> set[str]:
         """The trunk's loading, with the head's shapes checked (a copy would broadcast)."""
         head = {name: param for name, param in self.named_parameters() if name.startswith("score.")}
 
-        def checked() -> Iterator[tuple[str, torch.Tensor]]:
+        def checked() -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
             for name, tensor in weights:
                 if name in head and tensor.shape != head[name].shape:
                     raise ValueError(

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from cenote.errors import UnknownArchitectureError
 from cenote.tasks import SupportedTask
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,8 @@ def convert_architecture(architecture: str, convert: ConvertOption) -> str:
     )
 
 
-def load_model_class(architecture: str) -> type:
+def load_model_class(architecture: str) -> type[nn.Module]:
     entry = get_entry(architecture)
     module = importlib.import_module(f"cenote.models.{entry.module}")
-    return getattr(module, entry.class_name)
+    model_class: type[nn.Module] = getattr(module, entry.class_name)
+    return model_class

@@ -48,16 +48,17 @@ def layer_types(config: dict[str, Any], num_layers: int) -> list[str]:
 
 def layer_windows(config: dict[str, Any], num_layers: int) -> list[int | None]:
     """The causal window of each layer (None: full attention)."""
-    window = config.get("sliding_window")
-    return [
-        int(window) if kind == "sliding_attention" else None
-        for kind in layer_types(config, num_layers)
-    ]
+    types = layer_types(config, num_layers)
+    if "sliding_attention" not in types:
+        return [None] * num_layers
+    window = int(config["sliding_window"])
+    return [window if kind == "sliding_attention" else None for kind in types]
 
 
 def kv_free_window(windows: list[int | None]) -> int | None:
     """The window past which KV blocks may be freed: the widest one when every layer slides,
     else None (full-attention layers read every block)."""
-    if not windows or any(window is None for window in windows):
+    widths = [window for window in windows if window is not None]
+    if not widths or len(widths) < len(windows):
         return None
-    return max(windows)
+    return max(widths)

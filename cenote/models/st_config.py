@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 PoolingMethodName = Literal["cls", "mean", "last", "all", "step"]
 
@@ -61,12 +61,12 @@ class SentenceTransformerConfig:
     include_prompt: bool = True  # Pooling: false leaves the instruction prompt out of CLS / MEAN
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 
-def _pooling_method(config: dict, where: Path) -> PoolingMethodName:
+def _pooling_method(config: dict[str, Any], where: Path) -> PoolingMethodName:
     """Legacy ``pooling_mode_<x>: true`` flags, or (sentence-transformers >= 6) one
     ``pooling_mode`` entry naming the mode (a string, or a list of them)."""
     if "pooling_mode" in config:
@@ -83,7 +83,7 @@ def _pooling_method(config: dict, where: Path) -> PoolingMethodName:
     return _SUPPORTED_POOLING_MODES[enabled[0]]
 
 
-def _max_seq_length(model_dir: Path, bert_config: dict) -> int | None:
+def _max_seq_length(model_dir: Path, bert_config: dict[str, Any]) -> int | None:
     """sentence_bert_config.json's ``max_seq_length``, else (as sentence-transformers does, and
     where version 6 saves it) the tokenizer's ``model_max_length``."""
     if bert_config.get("max_seq_length"):
@@ -110,7 +110,7 @@ def _dense_layer(folder: Path) -> DenseLayer:
     )
 
 
-def _splade_pooling(config: dict, where: Path) -> SparsePoolingConfig:
+def _splade_pooling(config: dict[str, Any], where: Path) -> SparsePoolingConfig:
     strategy = config.get("pooling_strategy", "max")
     activation = config.get("activation_function", "relu")
     if strategy not in ("max", "sum") or activation not in ("relu", "log1p_relu"):

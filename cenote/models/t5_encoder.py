@@ -155,11 +155,10 @@ class T5EncoderModel(nn.Module):
         """Checkpoint q/k/v (and gated wi_0/wi_1) arrive apart; yield them stacked as ours."""
         parts: dict[str, dict[int, torch.Tensor]] = {}
         for name, tensor in weights:
-            target = self._layer_target(name)
-            if target is None or target[1] is None:
+            ours, shard = self._layer_target(name) or (name, None)
+            if shard is None:
                 yield name, tensor
                 continue
-            ours, shard = target
             slot = parts.setdefault(ours, {})
             slot[shard] = tensor
             if len(slot) == (3 if ours.endswith("qkv.weight") else 2):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -26,14 +27,15 @@ def load_tokenizer(model_config: ModelConfig) -> Tokenizer:
     return tokenizer
 
 
-def load_tokenizer_config(model_config: ModelConfig) -> dict:
+def load_tokenizer_config(model_config: ModelConfig) -> dict[str, Any]:
     if model_config.gguf_file is not None:
         return {}
     path = model_config.path / "tokenizer_config.json"
     if not path.exists():
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        config: dict[str, Any] = json.load(f)
+    return config
 
 
 def load_chat_template(model_config: ModelConfig) -> str | None:

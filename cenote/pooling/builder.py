@@ -14,8 +14,8 @@ from cenote.models.loader import load_dense_weights
 from cenote.models.registry import ModelEntry
 from cenote.pooling.activation import classifier_activation
 from cenote.pooling.heads import DenseProjector, EmbeddingHead
-from cenote.pooling.methods import PoolingMethod, parse_pooling_method
 from cenote.pooling.interface import Pooler
+from cenote.pooling.methods import PoolingMethod, parse_pooling_method
 from cenote.pooling.pooler import ClassifierPooler, DispatchPooler, EmbeddingPooler
 from cenote.pooling.sparse import SparsePooler
 from cenote.tasks import PoolingTask
