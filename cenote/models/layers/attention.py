@@ -55,6 +55,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.causal = causal
+        attention_ops()  # build or load the kernels with the model, not on its first request
 
     def forward(
         self,

@@ -53,8 +53,9 @@ def attention_ops() -> Any | None:
         from torch.utils.cpp_extension import load
 
         source = _SOURCE.read_text()
-        # -march=native: the build is only valid on this CPU kind (and this torch)
-        identity = "\n".join([source, torch.__version__, *_FLAGS, _cpu_identity()])
+        # -march=native: the build is only valid on this CPU kind (and this torch); the source's
+        # path too, or two checkouts sharing the cache would rebuild each other's build
+        identity = "\n".join([source, str(_SOURCE), torch.__version__, *_FLAGS, _cpu_identity()])
         name = "cenote_attention_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
         build_dir = kernel_cache_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
