@@ -1,6 +1,7 @@
 """C++ kernels compiled at first use for this machine's CPU, cached on disk.
 
-``quant_ops()`` returns the compiled weight-only quantized matmul module (quant_linear.cpp), or
+``quant_ops()`` returns the compiled module: weight-only quantized matmuls (quant_linear.cpp) and
+fused decoder-layer steps (fused_ops.cpp), or
 None where it cannot be built (no C++ compiler, ``CENOTE_DISABLE_KERNELS=1``): callers then fall
 back to dense weights, and say so in one log line. The build takes about a minute once; its
 result lives under ``$CENOTE_CACHE_DIR`` (default ``~/.cache/cenote``) in a folder named by the
@@ -20,7 +21,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("quant_linear.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("quant_linear.cpp", "fused_ops.cpp")]
 # CPU features that change what -march=native generates for these loops
 _FEATURE_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _lock = threading.Lock()
@@ -52,7 +53,7 @@ def _build_name() -> str:
 
     key = "|".join(
         [
-            _SOURCE.read_text(encoding="utf-8"),
+            *(source.read_text(encoding="utf-8") for source in _SOURCES),
             torch.__version__,
             platform.machine(),
             ",".join(cpu_features()),
@@ -78,7 +79,7 @@ def _load() -> ModuleType | None:
         flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
         return load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cenote.config import ModelConfig
+from cenote.kernels import quant_ops
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
@@ -145,9 +147,49 @@ class LlamaModel(nn.Module):
         # [num_tokens, head_dim] each: computed in fp32, cast once to the activation dtype (as
         # transformers casts them before rotating)
         cos, sin = (t.to(x.dtype) for t in self.rotary.cos_sin(positions))
+        ops = quant_ops()
+        if ops is not None and x.dtype in (torch.float32, torch.bfloat16) and self._fusable():
+            return self._forward_fused(ops, x, cos, sin)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)
+
+    def _fusable(self) -> bool:
+        """Every layer's steps have a fused kernel: SiLU MLPs, RoPE without q/k norms."""
+        return all(
+            layer.self_attn.q_norm is None and layer.mlp.act is F.silu for layer in self.layers
+        )
+
+    def _forward_fused(
+        self, ops: ModuleType, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """The same layers with their elementwise steps fused (cenote/kernels/fused_ops.cpp):
+        each residual add is fused with the norm after it, across layer boundaries, and RoPE
+        rotates q and k in place; every op rounds as the torch code above does."""
+        residual = residual.contiguous()
+        hidden = residual.clone()
+        first = self.layers[0].input_layernorm
+        ops.add_rms_norm_(hidden, None, first.weight, first.eps)
+        for i, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            qkv = attention.qkv_proj(hidden)
+            q_end = attention.q_size
+            k_end = q_end + attention.kv_size
+            ops.rotary_(qkv, cos, sin, k_end)
+            out = attention.o_proj(
+                attention.attn(
+                    qkv[:, :q_end].contiguous(),
+                    qkv[:, q_end:k_end].contiguous(),
+                    qkv[:, k_end:].contiguous(),
+                )
+            )
+            norm = layer.post_attention_layernorm
+            ops.add_rms_norm_(out, residual, norm.weight, norm.eps)  # residual += attention
+            mlp = layer.mlp
+            hidden = mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(out)))
+            norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)  # residual += mlp
+        return hidden
 
 
 # checkpoint module -> (our fused module, shard)
