@@ -1,11 +1,17 @@
 """C++ kernels compiled at first use for this machine's CPU, cached on disk.
 
-``quant_ops()`` returns the compiled module: weight-only quantized matmuls (quant_linear.cpp) and
-fused decoder-layer steps (fused_ops.cpp), or
-None where it cannot be built (no C++ compiler, ``CENOTE_DISABLE_KERNELS=1``): callers then fall
-back to dense weights, and say so in one log line. The build takes about a minute once; its
-result lives under ``$CENOTE_CACHE_DIR`` (default ``~/.cache/cenote``) in a folder named by the
-source's hash and the CPU's vector features, so a machine with other features builds its own.
+Two extensions, each built by ``build_extension`` with torch's extension tooling (``-O3
+-march=native``, so a build is valid only on the CPU kind it was made on):
+
+- ``quant_ops()``: weight-only quantized matmuls (quant_linear.cpp) and the fused
+  decoder-layer steps (fused_ops.cpp), a Python module;
+- ``attention_ops()`` in cenote/models/layers/attention_kernels.py: paged and varlen attention,
+  registered as torch ops (``torch.ops.cenote_attention``).
+
+Where a build fails (no C++ compiler, ``CENOTE_DISABLE_KERNELS=1``) the caller gets None and falls
+back to plain torch, with one log line saying why. A build takes under a minute once; the result
+lives under ``$CENOTE_CACHE_DIR/kernels`` (default ``~/.cache/cenote/kernels``) in a folder named
+by a hash of the sources, their path, torch's version, the flags and the CPU's model and flags.
 """
 
 from __future__ import annotations
@@ -13,88 +19,117 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import threading
+import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("quant_linear.cpp", "fused_ops.cpp")]
-# CPU features that change what -march=native generates for these loops
-_FEATURE_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+_HERE = Path(__file__).parent
+_QUANT_SOURCES = [_HERE / "quant_linear.cpp", _HERE / "fused_ops.cpp"]
+# -ffp-contract=off: no fused multiply-adds the source does not ask for, so dequantized values
+# and the fused elementwise ops round exactly as torch and gguf do
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+_STALE_LOCK_S = 600
 _lock = threading.Lock()
 
 
-def cache_dir() -> Path:
-    """cenote's on-disk cache (compiled kernels): ``$CENOTE_CACHE_DIR`` or ``~/.cache/cenote``."""
+def kernel_cache_dir() -> Path:
+    """Where built kernels live: ``$CENOTE_CACHE_DIR/kernels`` (default ~/.cache/cenote)."""
     root = os.environ.get("CENOTE_CACHE_DIR")
     if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cenote"
+        return Path(root) / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cenote" / "kernels"
+
+
+def cpu_identity() -> str:
+    """The CPU model and flags (what ``-march=native`` compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return ""
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
 
 
 def cpu_features() -> tuple[str, ...]:
-    """The vector features in ``/proc/cpuinfo`` that matter to the kernels' code generation."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return tuple(flag for flag in _FEATURE_FLAGS if flag in flags)
-    except OSError:
-        pass
-    return ()
+    """The vector features of this CPU that the kernels' code paths depend on."""
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+    flags = set()
+    for line in cpu_identity().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    return tuple(flag for flag in wanted if flag in flags)
 
 
-def _build_name() -> str:
+def build_extension(prefix: str, sources: list[Path], *, python_module: bool) -> ModuleType | None:
+    """Build (or load the cached build of) ``sources`` as extension ``prefix_<hash>``.
+
+    Raises what the build raises; returns the module (``python_module``) or None (a library of
+    TORCH_LIBRARY ops, reached through ``torch.ops``)."""
     import torch
+    from torch.utils.cpp_extension import load
 
-    key = "|".join(
+    identity = "\n".join(
         [
-            *(source.read_text(encoding="utf-8") for source in _SOURCES),
+            *(source.read_text(encoding="utf-8") for source in sources),
+            *(str(source) for source in sources),  # two checkouts must not rebuild each other's
             torch.__version__,
-            platform.machine(),
-            ",".join(cpu_features()),
+            *_FLAGS,
+            cpu_identity(),
         ]
     )
-    return "cenote_quant_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = f"{prefix}_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+    build_dir = kernel_cache_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(build_dir / "lock")
+    module = load(
+        name=name,
+        sources=[str(source) for source in sources],
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=python_module,
+        verbose=False,
+    )
+    return module if python_module else None
+
+
+def kernels_disabled() -> bool:
+    return os.environ.get("CENOTE_DISABLE_KERNELS") == "1"
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """torch waits forever on the build lock of a build that was killed; a build takes well
+    under a minute, so a lock older than ``_STALE_LOCK_S`` is one nobody will release."""
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 @cache
-def _load() -> ModuleType | None:
-    if os.environ.get("CENOTE_DISABLE_KERNELS") == "1":
+def _load_quant() -> ModuleType | None:
+    if kernels_disabled():
         logger.info("C++ kernels disabled by CENOTE_DISABLE_KERNELS=1")
         return None
-    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
-        logger.warning("no C++ kernels for %s; quantized weights run dense", platform.machine())
-        return None
     try:
-        from torch.utils.cpp_extension import load
-
-        name = _build_name()
-        build_dir = cache_dir() / "kernels" / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-        return load(
-            name=name,
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        return build_extension("cenote_quant", _QUANT_SOURCES, python_module=True)
     except Exception as e:  # no compiler, no ninja, a failed build: fall back, say why
+        message = str(e).strip()
         logger.warning(
-            "quantized-matmul kernel unavailable (%s: %s); weights run dense",
-            type(e).__name__,
-            str(e).splitlines()[0] if str(e) else "",
+            "quantized-matmul and fused-layer kernels unavailable (%s); weights run dense "
+            "and layers unfused",
+            message.splitlines()[-1] if message else type(e).__name__,
         )
         return None
 
 
 def quant_ops() -> ModuleType | None:
-    """The compiled quantized-matmul module, building it on first call; None if unavailable."""
+    """The compiled quantized-matmul / fused-layer module, built on first call; None if
+    unavailable."""
     with _lock:
-        return _load()
+        return _load_quant()

@@ -9,28 +9,17 @@ once and returns None; attention then loops over requests in Python and gathers 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cenote.kernels import build_extension, kernels_disabled
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("attention_kernels.cpp")
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
-_STALE_LOCK_S = 600
-
-
-def kernel_cache_dir() -> Path:
-    """Where built kernels live: ``$CENOTE_CACHE_DIR/kernels`` (default ~/.cache/cenote)."""
-    root = os.environ.get("CENOTE_CACHE_DIR")
-    if root:
-        return Path(root) / "kernels"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cenote" / "kernels"
 
 
 @functools.cache
@@ -46,29 +35,11 @@ def attention_ops() -> Any | None:
     dim], k/v [tokens, kv_heads, dim]; the request of rows [starts[i], starts[i] + lengths[i])
     attends to its own rows (SDPA, top-left causal when ``causal``), written into ``out``.
     """
-    if os.environ.get("CENOTE_DISABLE_KERNELS") == "1":
+    if kernels_disabled():
         logger.info("attention kernels disabled by CENOTE_DISABLE_KERNELS=1")
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        source = _SOURCE.read_text()
-        # -march=native: the build is only valid on this CPU kind (and this torch); the source's
-        # path too, or two checkouts sharing the cache would rebuild each other's build
-        identity = "\n".join([source, str(_SOURCE), torch.__version__, *_FLAGS, _cpu_identity()])
-        name = "cenote_attention_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
-        build_dir = kernel_cache_dir() / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        _remove_stale_lock(build_dir / "lock")
-        load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        build_extension("cenote_attention", [_SOURCE], python_module=False)
         ops = torch.ops.cenote_attention
         ops.paged_attention  # noqa: B018  (resolving the op checks the library registered it)
     except Exception as error:  # any build or load failure: fall back, say why once
@@ -83,16 +54,6 @@ def attention_ops() -> Any | None:
     return ops
 
 
-def _remove_stale_lock(lock: Path) -> None:
-    """torch waits forever on the build lock of a build that was killed; a build takes well
-    under a minute, so a lock older than ``_STALE_LOCK_S`` is one nobody will release."""
-    try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
-
-
 def _register_fakes() -> None:
     """Shape functions, so the ops can sit inside a traced or compiled graph."""
 
@@ -103,13 +64,3 @@ def _register_fakes() -> None:
     @torch.library.register_fake("cenote_attention::varlen_attention")  # type: ignore[untyped-decorator]
     def _varlen(*args: object) -> None:
         return None
-
-
-def _cpu_identity() -> str:
-    """The CPU model and flags (what ``-march=native`` compiles for)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
