@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import NUM_THREADS
+from factories.decoders import make_decoder
 from factories.encoders import make_encoder
 
-from cenote import LLM
+from cenote import LLM, SamplingParams
 from cenote.engine.core_launcher import CORE_ENVIRONMENT, child_environment
 from cenote.engine_args import EngineArgs
 from cenote.entrypoints import cli
@@ -197,6 +198,49 @@ def test_a_token_budget_below_an_encoders_length_fails_at_build(tmp_path: Path) 
         assert config.scheduler.max_num_batched_tokens >= config.model.max_model_len
 
 
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama: max_model_len 256; fp32 KV blocks of 16 tokens are 8 KiB."""
+    folder = tmp_path_factory.mktemp("llama")
+    make_decoder(folder, "llama")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("options", "phrases"),
+    [
+        (
+            {"num_gpu_blocks_override": 10},
+            ["the cache has 10 blocks (80.0 KiB, from num_gpu_blocks_override)",
+             "raise num_gpu_blocks_override (--num-gpu-blocks-override) to at least 16"],
+        ),
+        (
+            {"kv_cache_memory_bytes": 100_000},  # 12 blocks
+            ["the cache has 12 blocks (96.0 KiB, from kv_cache_memory_bytes=100000)",
+             "raise kv_cache_memory_bytes (--kv-cache-memory-bytes) to at least 131072 "
+             "(128.0 KiB)"],
+        ),
+    ],
+)  # fmt: skip
+def test_a_kv_cache_below_one_longest_request_fails_at_start(decoder, options, phrases) -> None:
+    """A request of max_model_len tokens would wait for KV blocks forever: refused up front."""
+    with pytest.raises(ValueError) as error:
+        LLM(str(decoder), dtype="float32", block_size=16, **options)
+    message = str(error.value)
+    assert "one request of the model's max_model_len (256 tokens)" in message
+    assert "needs 16 blocks of 16 tokens (128.0 KiB)" in message
+    for phrase in phrases:
+        assert phrase in message
+    longest = 16 * (10 if "num_gpu_blocks_override" in options else 12)
+    assert f"or lower max_model_len (--max-model-len) to at most {longest}" in message
+    # what the message proposes works, and the longest request then runs
+    LLM(str(decoder), dtype="float32", block_size=16, num_gpu_blocks_override=16)
+    llm = LLM(str(decoder), dtype="float32", block_size=16, max_model_len=longest, **options)
+    params = SamplingParams(max_tokens=longest - 10, ignore_eos=True, temperature=0.0)
+    (out,) = llm.generate([{"prompt_token_ids": [5] * 10}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == longest - 10
+
+
 def _serve(*args: str) -> subprocess.CompletedProcess:
     from tests.server_fixture import free_port
 
@@ -212,6 +256,13 @@ def test_serve_refuses_an_impossible_token_budget_before_loading_the_model() -> 
     assert done.returncode == 2
     assert "max_num_batched_tokens (128) is below max_model_len (256)" in done.stderr
     assert "--max-num-batched-tokens" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_serve_refuses_a_kv_cache_below_one_longest_request(decoder) -> None:
+    done = _serve(str(decoder), "--dtype", "float32", "--num-gpu-blocks-override", "4")
+    assert done.returncode == 1
+    assert "needs 16 blocks of 16 tokens" in done.stderr
+    assert "--num-gpu-blocks-override) to at least 16" in done.stderr
 
 
 def test_serve_checks_its_port_before_the_model() -> None:

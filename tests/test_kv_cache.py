@@ -11,7 +11,7 @@ import torch
 
 from cenote.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from cenote.kv_cache.hashing import compute_block_hashes, hash_block_tokens
-from cenote.kv_cache.manager import KVCacheManager, num_blocks_for_memory
+from cenote.kv_cache.manager import KVCacheManager, num_blocks_for_memory, num_blocks_per_request
 from cenote.scheduler.request import Request
 
 BLOCK_SIZE = 4
@@ -287,6 +287,16 @@ def test_num_blocks_for_memory() -> None:
     assert num_blocks_for_memory(40_000, 2, 4, 8, 16, torch.bfloat16) == 9
     assert num_blocks_for_memory(40_000, 2, 4, 8, 16, torch.float32) == 4
     assert num_blocks_for_memory(100, 2, 4, 8, 16, torch.float32) == 0
+
+
+def test_num_blocks_per_request() -> None:
+    assert num_blocks_per_request(256, 16, None, 8192) == 16  # every block of max_model_len
+    assert num_blocks_per_request(250, 16, None, 8192) == 16
+    # a window frees the blocks behind it: window + one chunk (+1 straddling), never more
+    # than without it (a whole-prompt chunk holds every block anyway)
+    assert num_blocks_per_request(256, 16, 32, 16) == 4  # ceil((31 + 16) / 16) + 1
+    assert num_blocks_per_request(256, 16, 32, 8192) == 16
+    assert num_blocks_per_request(40, 4, 8, 5) == 4  # ceil((7 + 5) / 4) + 1
 
 
 def test_duplicate_content_stays_uncached_and_evicts_cleanly() -> None:

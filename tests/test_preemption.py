@@ -13,6 +13,7 @@ BLOCK_SIZE = 4
 LOGPROB_ATOL = 1e-5
 PROMPTS = random_prompts([10, 7, 13, 9], seed=11)
 MAX_NEW = 20  # each request needs ceil((13 + 20) / 4) = 9 blocks at most
+TIGHT_LEN = 40  # a small cache serves one request of max_model_len (10 blocks) at least
 
 
 def _greedy(**extra) -> SamplingParams:
@@ -71,6 +72,7 @@ def test_preemption_gives_identical_outputs(folder, roomy, prefix_caching: bool)
         folder,
         block_size=BLOCK_SIZE,
         num_gpu_blocks_override=14,  # 4 requests need up to 33 blocks together
+        max_model_len=TIGHT_LEN,
         max_num_seqs=4,
         enable_prefix_caching=prefix_caching,
     )
@@ -99,7 +101,10 @@ def test_preemption_keeps_seeded_sampling_and_prompt_logprobs(folder, roomy) -> 
         for i in range(len(PROMPTS))
     ]
     refs = roomy.generate(token_prompts(PROMPTS), params, use_tqdm=False)
-    tight = make_llm(folder, block_size=BLOCK_SIZE, num_gpu_blocks_override=14, max_num_seqs=4)
+    tight = make_llm(
+        folder, block_size=BLOCK_SIZE, num_gpu_blocks_override=14, max_model_len=TIGHT_LEN,
+        max_num_seqs=4,
+    )  # fmt: skip
     preempted = _count_preemptions(tight)
     outs = tight.generate(token_prompts(PROMPTS), params, use_tqdm=False)
     assert preempted
@@ -130,6 +135,7 @@ def test_chunked_prefill_with_preemption(folder, roomy) -> None:
         folder,
         block_size=BLOCK_SIZE,
         num_gpu_blocks_override=12,
+        max_model_len=TIGHT_LEN,
         max_num_batched_tokens=6,
         max_num_seqs=3,
     )

@@ -172,7 +172,7 @@ def test_blocks_behind_the_window_are_freed_and_reused(mistral) -> None:
     """Two requests of 33 and 30 tokens need 9 + 8 blocks with full attention; with window 8
     each holds at most 3 blocks at a time, so 10 blocks serve both without preemption."""
     folder, prompts, expected = mistral
-    llm = make_llm(folder, block_size=BLOCK_SIZE, num_gpu_blocks_override=10)
+    llm = make_llm(folder, block_size=BLOCK_SIZE, num_gpu_blocks_override=10, max_model_len=40)
     steps = record_steps(llm)
     outs = llm.generate(token_prompts([prompts[1], prompts[3]]), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [expected[1], expected[3]]

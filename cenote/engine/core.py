@@ -9,7 +9,12 @@ import torch
 
 from cenote.config import EngineConfig
 from cenote.engine.capabilities import ModelCapabilities, ScoreType
-from cenote.kv_cache.manager import KVCacheManager, num_blocks_for_memory
+from cenote.kv_cache.manager import (
+    KVCacheManager,
+    kv_cache_bytes_per_block,
+    num_blocks_for_memory,
+    num_blocks_per_request,
+)
 from cenote.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -101,6 +106,11 @@ class EngineCore:
                 cache.block_size,
                 self.config.model.dtype,
             )
+        bytes_per_block = kv_cache_bytes_per_block(
+            model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size,
+            self.config.model.dtype,
+        )  # fmt: skip
+        _check_kv_cache_fits(self.config, num_blocks, bytes_per_block, model.kv_sliding_window)
         shape = kv_cache_shape(num_blocks, cache.block_size, model.num_kv_heads, model.head_dim)
         kv_caches = [
             torch.zeros(shape, dtype=self.config.model.dtype) for _ in range(model.num_layers)
@@ -214,6 +224,57 @@ def _score_type(hf_config: dict, tasks: tuple[str, ...]) -> ScoreType | None:
     if "embed_sparse" in tasks:
         return "sparse"
     return None
+
+
+def _check_kv_cache_fits(
+    config: EngineConfig, num_blocks: int, bytes_per_block: int, sliding_window: int | None
+) -> None:
+    """Refuse a KV cache that cannot hold one request of ``max_model_len`` tokens (such a
+    request would wait for blocks forever), naming the options that fix it."""
+    cache, max_model_len = config.cache, config.model.max_model_len
+    chunk = config.scheduler.max_num_batched_tokens
+
+    def blocks_for(num_tokens: int) -> int:
+        return num_blocks_per_request(num_tokens, cache.block_size, sliding_window, chunk)
+
+    num_needed = blocks_for(max_model_len)
+    if num_blocks >= num_needed:
+        return
+    longest, high = 0, max_model_len  # the longest max_model_len this cache serves
+    while longest < high:
+        middle = (longest + high + 1) // 2
+        longest, high = (
+            (middle, high) if blocks_for(middle) <= num_blocks else (longest, middle - 1)
+        )
+    if cache.num_gpu_blocks_override is not None:
+        sized_by = "num_gpu_blocks_override"
+        fix = f"raise num_gpu_blocks_override (--num-gpu-blocks-override) to at least {num_needed}"
+    else:
+        sized_by = (
+            f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
+            if cache.kv_cache_memory_bytes is not None
+            else "the default: a quarter of the available memory, at most 1 GiB"
+        )
+        fix = (
+            f"raise kv_cache_memory_bytes (--kv-cache-memory-bytes) to at least "
+            f"{num_needed * bytes_per_block} ({_size(num_needed * bytes_per_block)})"
+        )
+    if longest > 0:
+        fix += f", or lower max_model_len (--max-model-len) to at most {longest}"
+    raise ValueError(
+        f"the KV cache is too small to serve one request of the model's max_model_len "
+        f"({max_model_len} tokens): that needs {num_needed} blocks of {cache.block_size} tokens "
+        f"({_size(num_needed * bytes_per_block)}), but the cache has {num_blocks} blocks "
+        f"({_size(num_blocks * bytes_per_block)}, from {sized_by}); {fix}"
+    )
+
+
+def _size(num_bytes: int) -> str:
+    """``1.50 GiB``, ``12.0 MiB``, ``96.0 KiB``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if num_bytes >= 1 << shift:
+            return f"{num_bytes / (1 << shift):.{2 if shift == 30 else 1}f} {unit}"
+    return f"{num_bytes / 1024:.1f} KiB"
 
 
 def _default_kv_budget() -> int:

@@ -228,3 +228,17 @@ def num_blocks_for_memory(
     """How many whole KV blocks fit in ``budget_bytes`` (0 if none; never negative)."""
     per_block = kv_cache_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
     return max(0, budget_bytes // per_block)
+
+
+def num_blocks_per_request(
+    max_model_len: int, block_size: int, sliding_window: int | None, max_chunk_tokens: int
+) -> int:
+    """KV blocks one request of ``max_model_len`` tokens holds at its peak. Without a sliding
+    window: all of them. With one, the blocks behind it are freed as the request advances, so
+    it holds the window and one prompt chunk of up to ``max_chunk_tokens`` (the step's token
+    budget), plus a block where they straddle block boundaries (vLLM's estimate)."""
+    num_blocks = -(-max_model_len // block_size)
+    if sliding_window is not None:
+        num_tokens = sliding_window - 1 + min(max_chunk_tokens, max_model_len)
+        num_blocks = min(num_blocks, -(-num_tokens // block_size) + 1)
+    return num_blocks
