@@ -110,7 +110,7 @@ class ModelConfig:
     @classmethod
     def from_path(
         cls,
-        model: str | os.PathLike | None,
+        model: str | os.PathLike[str] | None,
         dtype: DTypeName | torch.dtype = "auto",
         max_model_len: int | None = None,
         hf_overrides: dict[str, Any] | None = None,
@@ -186,7 +186,8 @@ def _read_hf_config(path: Path, gguf: GGUFCheckpoint | None) -> dict[str, Any]:
             f"{path} is not a model folder (config.json is missing) nor a .gguf file"
         )
     with open(path / "config.json", encoding="utf-8") as f:
-        return json.load(f)
+        config: dict[str, Any] = json.load(f)
+    return config
 
 
 def _model_len_limit(hf_config: dict[str, Any], st_config: SentenceTransformerConfig | None) -> int:

@@ -72,7 +72,9 @@ def _check_answers(address: str, timeout_s: float) -> None:
 class _EngineWorker:
     """One ``LLM`` per actor, with as many threads as Ray gave this actor CPUs."""
 
-    def __init__(self, model: str | None, drop_columns: Sequence[str], llm_kwargs: dict) -> None:
+    def __init__(
+        self, model: str | None, drop_columns: Sequence[str], llm_kwargs: dict[str, Any]
+    ) -> None:
         from cenote.entrypoints.llm import LLM
 
         llm_kwargs.setdefault("num_threads", _assigned_cpus())
@@ -107,7 +109,7 @@ class Embedder(_EngineWorker):
         from cenote.corpus.embedder import embed_passages
 
         embeddings, num_tokens = embed_passages(
-            self.llm, batch[self.text_column].tolist(), batch.get("row"),
+            self.llm, batch[self.text_column].tolist(), _rows(batch),
             self.truncate_prompt_tokens, self.dimensions,
         )  # fmt: skip
         return self._with(batch, **{self.output_column: embeddings, "num_tokens": num_tokens})
@@ -194,11 +196,18 @@ class Generator(_EngineWorker):
         return self._with(batch, generated_text=texts, num_generated_tokens=counts)
 
 
+def _rows(batch: dict[str, np.ndarray]) -> list[int] | None:
+    """The corpus rows of a batch (``cenote embed --ray`` sends them along), if any."""
+    rows = batch.get("row")
+    return None if rows is None else [int(row) for row in rows]
+
+
 def _assigned_cpus() -> int | None:
     """The CPUs Ray reserved for the calling actor; None outside a Ray worker."""
     import ray
 
     if not ray.is_initialized():
         return None
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    resources = ray.get_runtime_context().get_assigned_resources()  # type: ignore[no-untyped-call]
+    cpus = resources.get("CPU")
     return max(1, int(cpus)) if cpus else None

@@ -100,9 +100,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or value >= 0, f"{name} must be non-negative, got {value}")
-        bad_ids = [t for t in self.stop_token_ids if t < 0]
+        stop_token_ids = self.stop_token_ids or []
+        bad_ids = [t for t in stop_token_ids if t < 0]
         _check(not bad_ids, f"stop_token_ids must be non-negative, got {bad_ids}")
-        big_ids = [t for t in self.stop_token_ids if t > INT64_MAX]
+        big_ids = [t for t in stop_token_ids if t > INT64_MAX]
         _check(not big_ids, f"stop_token_ids must be below 2**63, got {big_ids}")
         for name in ("n", "max_tokens", "min_tokens", "top_k", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -135,7 +136,7 @@ class SamplingParams:
     @property
     def max_stop_len(self) -> int:
         """Length of the longest stop string (0 when there are none)."""
-        return max((len(s) for s in self.stop), default=0)
+        return max((len(s) for s in _normalize_stop(self.stop)), default=0)
 
 
 def _check(ok: bool, message: str) -> None:

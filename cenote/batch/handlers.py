@@ -9,13 +9,14 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from cenote.batch.lines import BatchLine, LineError
 from cenote.engine.input_processor import ParentRequest
+from cenote.engine.output_processor import UserOutput
 from cenote.engine.scoring import pair_texts, plan_scores
 from cenote.entrypoints.llm import LLM
-from cenote.outputs import RequestOutput
+from cenote.outputs import PoolingRequestOutput, RequestOutput
 from cenote.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,12 +38,14 @@ UNTRANSLATED = frozenset(
 @dataclass
 class PoolingTask:
     line: BatchLine
+    body: EmbeddingRequest  # the line's body
     requests: list[ParentRequest]  # processed: validated and tokenized
 
 
 @dataclass
 class GenerationTask:
     line: BatchLine
+    body: CompletionRequest | ChatCompletionRequest
     requests: list[ParentRequest]
     n: int  # completions per prompt
 
@@ -50,9 +53,12 @@ class GenerationTask:
 @dataclass
 class ScoringTask:
     line: BatchLine
+    body: ScoreRequest | RerankRequest
 
 
 Task = PoolingTask | GenerationTask | ScoringTask
+_BODIES = (EmbeddingRequest, CompletionRequest, ChatCompletionRequest, ScoreRequest, RerankRequest)
+_T = TypeVar("_T")
 
 
 class BatchHandlers:
@@ -67,6 +73,7 @@ class BatchHandlers:
 
     def prepare(self, line: BatchLine) -> Task:
         body = line.body
+        assert isinstance(body, _BODIES), f"{type(body).__name__} has no batch handler"
         self._check_model(body.model)
         unsupported = sorted(
             name for name in body.model_fields_set & UNTRANSLATED if _is_set(getattr(body, name))
@@ -80,8 +87,7 @@ class BatchHandlers:
             return self._prepare_embedding(line, body)
         if isinstance(body, CompletionRequest | ChatCompletionRequest):
             return self._prepare_generation(line, body)
-        assert isinstance(body, ScoreRequest | RerankRequest)
-        return ScoringTask(line)
+        return ScoringTask(line, body)
 
     def _check_model(self, model: str | None) -> None:
         name = self.model_config.served_model_name
@@ -107,7 +113,7 @@ class BatchHandlers:
             _ids(line, len(prompts)), prompts, body.to_pooling_params("embed"),
             add_special_tokens=body.add_special_tokens,
         )  # fmt: skip
-        return PoolingTask(line, requests)
+        return PoolingTask(line, body, requests)
 
     def _prepare_generation(
         self, line: BatchLine, body: CompletionRequest | ChatCompletionRequest
@@ -120,23 +126,23 @@ class BatchHandlers:
             add_special_tokens=body.add_special_tokens,
             default_max_tokens=body.default_max_tokens,
         )  # fmt: skip
-        return GenerationTask(line, requests, body.n)
+        return GenerationTask(line, body, requests, body.n)
 
     # ---- 2) run: one engine call per kind; 3) shape the bodies -------------------------------
 
     def run_pooling(self, tasks: list[PoolingTask]) -> list[dict[str, Any]]:
         return [
-            self._embedding_body(task.line.body, outputs)
+            self._embedding_body(task.body, _only(PoolingRequestOutput, outputs))
             for task, outputs in zip(tasks, self._run(tasks), strict=True)
         ]
 
     def run_generation(self, tasks: list[GenerationTask]) -> list[dict[str, Any]]:
         return [
-            self._generation_body(task, outputs)
+            self._generation_body(task, _only(RequestOutput, outputs))
             for task, outputs in zip(tasks, self._run(tasks), strict=True)
         ]
 
-    def _run(self, tasks: list[PoolingTask] | list[GenerationTask]) -> list[list]:
+    def _run(self, tasks: list[PoolingTask] | list[GenerationTask]) -> list[list[UserOutput]]:
         """Every task's requests in one engine run; each task's outputs."""
         outputs = self.llm.client.run([r for t in tasks for r in t.requests])
         per_task, start = [], 0
@@ -146,7 +152,7 @@ class BatchHandlers:
         return per_task
 
     def run_scoring(self, task: ScoringTask) -> dict[str, Any]:
-        body = task.line.body
+        body = task.body
         rerank = isinstance(body, RerankRequest)
         text_1, text_2 = body.texts()
         plan = plan_scores(
@@ -154,15 +160,17 @@ class BatchHandlers:
             body.to_pooling_params(), max_tokens_per_doc=body.max_tokens_per_doc,
             instruction=body.instruction, fit_documents=rerank,
         )  # fmt: skip
-        scores = plan.scores(self.llm.client.run(plan.requests))
-        if rerank:
+        scores = plan.scores(_only(PoolingRequestOutput, self.llm.client.run(plan.requests)))
+        if isinstance(body, RerankRequest):
             return self._rerank_body(body, scores)
         data = [
             {"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scores)
         ]
         return self._list_body("score", data, num_tokens=None)
 
-    def _embedding_body(self, body: EmbeddingRequest, outputs: list) -> dict[str, Any]:
+    def _embedding_body(
+        self, body: EmbeddingRequest, outputs: list[PoolingRequestOutput[Any]]
+    ) -> dict[str, Any]:
         import base64
 
         data = []
@@ -176,7 +184,9 @@ class BatchHandlers:
         num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
         return self._list_body("embd", data, num_tokens)
 
-    def _list_body(self, prefix: str, data: list[dict], num_tokens: int | None) -> dict[str, Any]:
+    def _list_body(
+        self, prefix: str, data: list[dict[str, Any]], num_tokens: int | None
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": f"{prefix}-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": self.model_config.served_model_name, "data": data,
@@ -185,15 +195,19 @@ class BatchHandlers:
             body["usage"] = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
         return body
 
-    def _rerank_body(self, body: RerankRequest, scores: list) -> dict[str, Any]:
+    def _rerank_body(
+        self, body: RerankRequest, scores: list[PoolingRequestOutput[Any]]
+    ) -> dict[str, Any]:
         return {
             "id": f"rerank-{uuid.uuid4().hex}",
             "model": self.model_config.served_model_name,
             "results": body.results([s.outputs.score for s in scores], return_documents=True),
         }
 
-    def _generation_body(self, task: GenerationTask, outputs: list[RequestOutput]) -> dict:
-        body, n = task.line.body, task.n
+    def _generation_body(
+        self, task: GenerationTask, outputs: list[RequestOutput]
+    ) -> dict[str, Any]:
+        body, n = task.body, task.n
         chat = isinstance(body, ChatCompletionRequest)
         choices = []
         for index, output in enumerate(outputs):
@@ -205,7 +219,7 @@ class BatchHandlers:
                 }
                 if chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
-                else:
+                elif isinstance(body, CompletionRequest):
                     echo = (output.prompt or "") if body.echo else ""
                     choice.update(text=echo + c.text, stop_reason=c.stop_reason)
                 choices.append(choice)
@@ -222,6 +236,13 @@ class BatchHandlers:
 
 def _is_set(value: Any) -> bool:
     return value not in (None, False, 0, [], {})
+
+
+def _only(kind: type[_T], outputs: list[UserOutput]) -> list[_T]:
+    """``outputs``, each a ``kind`` (failures raised in the client)."""
+    narrowed: list[_T] = [output for output in outputs if isinstance(output, kind)]
+    assert len(narrowed) == len(outputs), f"an output is not a {kind.__name__}"
+    return narrowed
 
 
 def _ids(line: BatchLine, count: int) -> list[str]:

@@ -52,7 +52,13 @@ def embed_passages(
     return embeddings.astype(np.float32, copy=False), num_tokens
 
 
-def _locate(llm, texts, rows, truncate_prompt_tokens, error: InvalidInputError) -> Exception:
+def _locate(
+    llm: LLM,
+    texts: Sequence[str],
+    rows: Sequence[int] | None,
+    truncate_prompt_tokens: int | None,
+    error: InvalidInputError,
+) -> Exception:
     """The first passage that fails on its own, as a ``RowError``; ``error`` if none does."""
     for i, text in enumerate(texts):
         try:

@@ -56,11 +56,13 @@ class PartStore:
                     f"{self.directory} holds part files but no {MANIFEST_NAME}; "
                     "choose an empty output directory"
                 )
-            state = {"version": MANIFEST_VERSION, "job": job, "parts": {}, "num_rows": None}
-            self._write_json(self._manifest_path, state)
-            return state
+            new: dict[str, Any] = {
+                "version": MANIFEST_VERSION, "job": job, "parts": {}, "num_rows": None
+            }  # fmt: skip
+            self._write_json(self._manifest_path, new)
+            return new
         try:
-            state = json.loads(self._manifest_path.read_text())
+            state: dict[str, Any] = json.loads(self._manifest_path.read_text())
         except (OSError, ValueError) as e:
             raise CorpusError(f"cannot read the manifest {self._manifest_path}: {e}") from e
         if state.get("job") != job:
@@ -164,21 +166,22 @@ def export_npy(store: PartStore, npy_path: Path) -> Path:
     return ids_path
 
 
-def _tables(paths: list[Path]) -> Iterator:
+def _tables(paths: list[Path]) -> Iterator[Any]:  # pyarrow tables
     import pyarrow.parquet as pq
 
     for path in paths:
         yield pq.read_table(path)
 
 
-def _embedding_matrix(table) -> np.ndarray:
-    """[num_rows, dim] float32 from a part's fixed-size-list column."""
+def _embedding_matrix(table: Any) -> np.ndarray:
+    """[num_rows, dim] float32 from a part's fixed-size-list column (a pyarrow table's)."""
     column = table.column("embedding").combine_chunks()
     dim = column.type.list_size
-    return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
+    matrix: np.ndarray = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
+    return matrix
 
 
-def _part_table(result: PartResult):
+def _part_table(result: PartResult) -> Any:  # a pyarrow table
     import pyarrow as pa
 
     embeddings = np.ascontiguousarray(result.embeddings, dtype=np.float32)

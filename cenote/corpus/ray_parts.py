@@ -39,7 +39,7 @@ class RayEmbedParts:
         from cenote.ray import connect
 
         connect(options.address)
-        nodes = [n for n in ray.nodes() if n["Alive"]]
+        nodes = [n for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
         self.cpus_per_worker = options.cpus_per_worker
         fits = sum(int(n["Resources"].get("CPU", 0)) // self.cpus_per_worker for n in nodes)
         self.num_workers = options.num_workers or max(1, fits)
@@ -75,7 +75,9 @@ class RayEmbedParts:
             )
             for c in window
         ]
-        dataset = ray.data.from_arrow_refs([ray.put(t) for t in tables]).map_batches(
+        refs = [ray.put(t) for t in tables]
+        # ray.put's ObjectRef and the one from_arrow_refs is annotated with are two classes
+        dataset = ray.data.from_arrow_refs(refs).map_batches(  # type: ignore[arg-type]
             Embedder,
             fn_constructor_kwargs={
                 **self.job.llm_kwargs(),
@@ -109,7 +111,9 @@ class _PartCollector:
         self.num_tokens: list[np.ndarray] = []
         self.num_buffered = 0
 
-    def add(self, rows, embeddings, num_tokens) -> Iterator[tuple[Chunk, PartResult]]:
+    def add(
+        self, rows: np.ndarray, embeddings: np.ndarray, num_tokens: np.ndarray
+    ) -> Iterator[tuple[Chunk, PartResult]]:
         self.rows.append(rows)
         self.embeddings.append(np.asarray(embeddings, dtype=np.float32))
         self.num_tokens.append(num_tokens)

@@ -99,7 +99,8 @@ def count_rows(source: CorpusSource) -> int | None:
     """The number of passages, when it is cheap to know (Parquet metadata; newlines of JSONL
     and text files); None for CSV (quoted fields may span lines)."""
     if source.format == "parquet":
-        return _parquet_file(source).metadata.num_rows
+        num_rows: int = _parquet_file(source).metadata.num_rows
+        return num_rows
     if source.format == "csv":
         return None
     count, last = 0, b"\n"
@@ -217,7 +218,7 @@ def _columnar_batches(source: CorpusSource, batches: Any, kind: str) -> Iterator
         yield texts, ids
 
 
-def _parquet_file(source: CorpusSource):
+def _parquet_file(source: CorpusSource) -> Any:  # pyarrow.parquet.ParquetFile
     import pyarrow.parquet as pq
 
     try:
@@ -229,13 +230,14 @@ def _parquet_file(source: CorpusSource):
 def _csv_header(source: CorpusSource) -> list[str]:
     import pyarrow.csv as pcsv
 
-    return pcsv.open_csv(source.path).schema.names
+    names: list[str] = pcsv.open_csv(source.path).schema.names
+    return names
 
 
 # ---- records ----------------------------------------------------------------------------------
 
 
-def _text_of(source: CorpusSource, row: int, text: Any, record: dict | None) -> str:
+def _text_of(source: CorpusSource, row: int, text: Any, record: dict[str, Any] | None) -> str:
     if text is None:
         if record is not None and source.text_field not in record:
             fields = ", ".join(map(repr, record)) or "none"
@@ -253,7 +255,7 @@ def _text_of(source: CorpusSource, row: int, text: Any, record: dict | None) -> 
     return text
 
 
-def _id_of(source: CorpusSource, row: int, value: Any, record: dict | None) -> str:
+def _id_of(source: CorpusSource, row: int, value: Any, record: dict[str, Any] | None) -> str:
     if value is None:
         missing = record is not None and source.id_field not in record
         what = f" has no field {source.id_field!r}" if missing else f": {source.id_field!r} is null"

@@ -75,7 +75,8 @@ class AsyncEngineClient:
         self.on_dead = on_dead
         self.capabilities: ModelCapabilities | None = None
         self.dead_reason: str | None = None  # set once the core is gone
-        self.queues: dict[str, asyncio.Queue] = {}  # user request id -> its outputs
+        # user request id -> its outputs, or the exception that ends it
+        self.queues: dict[str, asyncio.Queue[UserOutput | Exception]] = {}
         self._waves: dict[str, _Wave] = {}  # pooling request id -> its wave, until it finishes
         self._encoder = make_encoder()
         self._decoder = output_decoder()

@@ -7,7 +7,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -22,7 +22,7 @@ def _raise_exception(message: str) -> None:
 
 
 @lru_cache(maxsize=8)
-def _compile(template: str):
+def _compile(template: str) -> Template:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
     )
@@ -118,7 +118,8 @@ def render_template(template: str, **variables: Any) -> str:
     """Render a plain text template (e.g. a reranker's query/document prompt) in the same
     sandbox as chat templates."""
     try:
-        return _compile(template).render(**variables)
+        text: str = _compile(template).render(**variables)
+        return text
     except TemplateError as e:
         raise InvalidInputError(f"template failed: {e}") from e
 

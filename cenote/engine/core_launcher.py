@@ -17,7 +17,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from cenote.config import EngineConfig
 from cenote.engine.core_proc import run_engine_core
@@ -135,10 +135,10 @@ class RayLauncher:
                     for sig, handler in handlers.items():
                         signal.signal(sig, handler)
         self._ray = ray
-        self._host = ray.util.get_node_ip_address()
+        self._host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self._ports = [_free_port(), _free_port()]
-        self._actor = None
-        self._done = None  # the ObjectRef of the core's loop
+        self._actor: Any = None  # the core's actor handle
+        self._done: Any = None  # the ObjectRef of the core's loop
 
     def addresses(self) -> tuple[tuple[str, str], tuple[str, str]]:
         (a, b), host = self._ports, self._host
@@ -215,4 +215,5 @@ def _free_port() -> int:
 
     with socket.socket() as s:
         s.bind(("", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port

@@ -69,7 +69,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 class _CoreLoop:
     def __init__(
-        self, engine: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int
+        self,
+        engine: EngineCore,
+        inputs: zmq.Socket[bytes],
+        outputs: zmq.Socket[bytes],
+        parent_pid: int,
     ) -> None:
         self.engine = engine
         self.inputs = inputs

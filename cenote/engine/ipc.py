@@ -91,9 +91,9 @@ def make_encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder(enc_hook=_encode_tensor)
 
 
-def input_decoder() -> msgspec.msgpack.Decoder:
+def input_decoder() -> msgspec.msgpack.Decoder[CoreInput]:
     return msgspec.msgpack.Decoder(CoreInput, ext_hook=_decode_ext, dec_hook=_decode_custom)
 
 
-def output_decoder() -> msgspec.msgpack.Decoder:
+def output_decoder() -> msgspec.msgpack.Decoder[CoreMessage]:
     return msgspec.msgpack.Decoder(CoreMessage, ext_hook=_decode_ext, dec_hook=_decode_custom)

@@ -9,7 +9,7 @@ from pathlib import Path
 from cenote.corpus.readers import INPUT_FORMATS
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from cenote.engine_args import EngineArgs, HelpFormatter
 
     parser = commands.add_parser(

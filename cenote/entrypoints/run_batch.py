@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from cenote.batch.lines import custom_id_of, error_line, error_of, parse_line, success_line
+
+if TYPE_CHECKING:
+    from cenote.batch.handlers import BatchHandlers, GenerationTask, PoolingTask, Task
+    from cenote.entrypoints.llm import LLM
+
+    _GroupTask = TypeVar("_GroupTask", PoolingTask, GenerationTask)
+    _AnyTask = TypeVar("_AnyTask", bound=Task)
 
 
 @dataclass
@@ -23,7 +30,7 @@ class BatchSummary:
     num_failed: int
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from cenote.engine_args import EngineArgs, HelpFormatter
 
     parser = commands.add_parser(
@@ -58,7 +65,9 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_batch(llm, input_path: Path, output_path: Path, lines_per_chunk: int = 512) -> BatchSummary:
+def run_batch(
+    llm: LLM, input_path: Path, output_path: Path, lines_per_chunk: int = 512
+) -> BatchSummary:
     """Run every line of ``input_path``; write one result line per input line, in order."""
     from cenote.batch.handlers import BatchHandlers
 
@@ -89,31 +98,31 @@ def _chunks(path: Path, size: int) -> Iterator[list[tuple[int, bytes]]]:
         yield chunk
 
 
-def _run_chunk(handlers, chunk: list[tuple[int, bytes]]) -> list[dict[str, Any]]:
+def _run_chunk(handlers: BatchHandlers, chunk: list[tuple[int, bytes]]) -> list[dict[str, Any]]:
     """1) parse and prepare each line alone, 2) run by kind, 3) results in input order."""
     from cenote.batch.handlers import GenerationTask, PoolingTask, ScoringTask
 
     results: dict[int, dict[str, Any]] = {}
-    tasks = []
+    tasks: list[Task] = []
     for number, raw in chunk:
         try:
             line = parse_line(number, raw)
             tasks.append(handlers.prepare(line))
         except Exception as e:
             results[number] = error_line(custom_id_of(raw), error_of(number, e))
-    groups = (
-        ([t for t in tasks if isinstance(t, PoolingTask)], handlers.run_pooling),
-        ([t for t in tasks if isinstance(t, GenerationTask)], handlers.run_generation),
-    )
-    for group, run in groups:
-        results.update(_run_group(group, run))
+    pooling = [t for t in tasks if isinstance(t, PoolingTask)]
+    results.update(_run_group(pooling, handlers.run_pooling))
+    generation = [t for t in tasks if isinstance(t, GenerationTask)]
+    results.update(_run_group(generation, handlers.run_generation))
     for task in tasks:
         if isinstance(task, ScoringTask):
             results[task.line.number] = _result(task, handlers.run_scoring)
     return [results[number] for number, _ in chunk]
 
 
-def _run_group(group: list, run) -> dict[int, dict[str, Any]]:
+def _run_group(
+    group: list[_GroupTask], run: Callable[[list[_GroupTask]], list[dict[str, Any]]]
+) -> dict[int, dict[str, Any]]:
     """One engine call for the group; if it fails, each line alone (so only the bad one fails)."""
     if not group:
         return {}
@@ -126,7 +135,7 @@ def _run_group(group: list, run) -> dict[int, dict[str, Any]]:
     }
 
 
-def _result(task, run_one) -> dict[str, Any]:
+def _result(task: _AnyTask, run_one: Callable[[_AnyTask], dict[str, Any]]) -> dict[str, Any]:
     """The line of ``task``: its body from ``run_one(task)``, or the error it raised."""
     try:
         return success_line(task.line.custom_id, run_one(task))
