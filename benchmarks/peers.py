@@ -96,6 +96,8 @@ TABLE = [
      "sentence-transformers fp32", "st_torch.log", "sent_per_s_median"),
     ("offline embed, chunks/s", "bf16", "cenote_embed_bfloat16.log", "sent_per_s_median",
      "sentence-transformers bf16", "st_torch_bf16.log", "sent_per_s_median"),
+    ("offline embed, chunks/s", "bf16", "cenote_embed_bfloat16.log", "sent_per_s_median",
+     "vLLM-CPU bf16", "vllm_bfloat16.log", "sent_per_s_median"),
     ("served embed c16, chunks/s", "default dtype", "cenote_http_auto_c16.log",
      "sent_per_s_median", "vllm serve", "vllm_http.log", "sent_per_s_median"),
     ("generate 1 stream, tok/s", "default", "cenote_gen_auto.log", "decode_tok_s_median",
