@@ -134,9 +134,14 @@ class SamplingParams:
         return SamplingType.RANDOM
 
     @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as the list it is once the params are built."""
+        return self.stop if isinstance(self.stop, list) else _normalize_stop(self.stop)
+
+    @property
     def max_stop_len(self) -> int:
         """Length of the longest stop string (0 when there are none)."""
-        return max((len(s) for s in _normalize_stop(self.stop)), default=0)
+        return max((len(s) for s in self.stop_strings), default=0)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from cenote.messages import (
     RequestError,
     SchedulerStats,
 )
-from cenote.models.interfaces import DecoderModel
+from cenote.models.interfaces import DecoderModel, Model
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 from cenote.models.registry import get_entry
@@ -52,8 +53,14 @@ class EngineCore:
         self.config = config
         model_config = config.model
         entry = get_entry(model_config.architecture)
-        self.model = load_model(model_config)
-        pooler = build_pooler(model_config, self.model, entry)
+        model = load_model(model_config)
+        if not isinstance(model, Model):
+            raise TypeError(
+                f"{type(model).__name__} does not declare the Model contract "
+                "(cenote/models/interfaces.py)"
+            )
+        self.model = model
+        pooler = build_pooler(model_config, model, entry)
         self.pooler = pooler
         kv_manager, kv_caches = None, None
         if entry.is_causal:
@@ -166,7 +173,9 @@ class EngineCore:
             outputs=outputs, stats=self._stats(scheduler_output.total_num_scheduled_tokens)
         )
 
-    def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list:
+    def _fail_step(
+        self, scheduler_output: SchedulerOutput, error: Exception
+    ) -> list[EngineCoreOutput]:
         """Finish every request of a failed step with an error output."""
         request_ids = [s.request_id for s in scheduler_output.scheduled]
         logger.exception("step failed for requests %s", request_ids)
@@ -192,14 +201,14 @@ class EngineCore:
 def refused_output(request_id: str, error: Exception) -> EngineCoreOutput:
     """The output of a request the core would not add: a ``ValueError`` is about the request
     as given (the client's to fix), anything else is a failure of the core."""
-    code = "refused" if isinstance(error, ValueError) else "failed"
-    cause = RequestError(
-        code, str(error) if code == "refused" else f"{type(error).__name__}: {error}"
-    )
+    if isinstance(error, ValueError):
+        cause = RequestError("refused", str(error))
+    else:
+        cause = RequestError("failed", f"{type(error).__name__}: {error}")
     return EngineCoreOutput(request_id=request_id, finish_reason="error", error=cause)
 
 
-def _label_names(hf_config: dict, num_labels: int | None) -> tuple[str, ...] | None:
+def _label_names(hf_config: dict[str, Any], num_labels: int | None) -> tuple[str, ...] | None:
     """id2label names in id order; transformers' ``LABEL_<i>`` when the config has none."""
     if num_labels is None or hf_config.get("classifier_from_token"):
         return None  # converted LM: the causal config's labels mean nothing
@@ -209,7 +218,7 @@ def _label_names(hf_config: dict, num_labels: int | None) -> tuple[str, ...] | N
     return tuple(str(labels.get(str(i), labels.get(i, i))) for i in range(num_labels))
 
 
-def _score_type(hf_config: dict, tasks: tuple[str, ...]) -> ScoreType | None:
+def _score_type(hf_config: dict[str, Any], tasks: tuple[str, ...]) -> ScoreType | None:
     """How ``score`` works for this model: a classifier scores pairs (cross-encoder); an
     embedding model compares embeddings (cosine), or token embeddings (MaxSim) when the config
     says ``score_type: late_interaction`` or it only embeds tokens."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from tokenizers import Tokenizer
 
@@ -173,8 +173,12 @@ class InputProcessor:
         """Token ids of every prompt: given ids are checked and cut; texts and pairs go through
         the tokenizer in one call per (kind, truncation, side, special tokens, pooling)."""
         results: list[TokenizedPrompt | None] = [None] * len(prompts)
-        groups: dict[tuple, list[tuple[int, Any]]] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+        # (kind, truncation length, side, special tokens, pooling) -> (index, text or pair)
+        groups: dict[
+            tuple[str, int | None, Literal["left", "right"], bool, bool], list[tuple[int, Any]]
+        ] = {}
+        for i, (typed_prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            prompt: Any = typed_prompt  # the caller's input, checked here whatever its type
             max_length = self.validator.truncation_length(params.truncate_prompt_tokens)
             side = params.truncation_side
             is_pooling = isinstance(params, PoolingParams)
@@ -258,6 +262,7 @@ class InputProcessor:
             if default_max_tokens is not None:
                 max_tokens = min(max_tokens, default_max_tokens)
             params = dataclasses.replace(params, max_tokens=max_tokens)
+        assert params.max_tokens is not None
         if num_prompt_tokens + params.max_tokens > limit:
             raise InvalidInputError(
                 f"prompt {index} has {num_prompt_tokens} tokens and asks for max_tokens="

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
@@ -98,7 +99,8 @@ class _RequestState:
         return all(c.finish_reason is not None for c in self.completions.values())
 
 
-UserOutput = RequestOutput | PoolingRequestOutput | RequestFailure
+UserOutput = RequestOutput | PoolingRequestOutput[Any] | RequestFailure
+_T = TypeVar("_T")
 
 
 class OutputProcessor:
@@ -184,8 +186,11 @@ class OutputProcessor:
                 results.append(output)
         return results, to_abort
 
-    def _pooling_output(self, state: _RequestState, out: EngineCoreOutput) -> PoolingRequestOutput:
+    def _pooling_output(
+        self, state: _RequestState, out: EngineCoreOutput
+    ) -> PoolingRequestOutput[Any]:
         output_class = POOLING_OUTPUTS[state.task or "embed"]
+        assert out.pooling_output is not None, "a finished pooling request carries its result"
         data = output_class(data=out.pooling_output)
         if isinstance(data, ClassificationOutput):
             data.label_names = self.label_names
@@ -210,7 +215,7 @@ class OutputProcessor:
                 delta += completion.detokenizer.finish()
             completion.text += delta
             match = check_stop_strings(
-                completion.text, len(delta), params.stop, params.include_stop_str_in_output
+                completion.text, len(delta), params.stop_strings, params.include_stop_str_in_output
             )
             if match is not None and completion.finish_reason is None:
                 completion.text = completion.text[: match.truncate_to]
@@ -245,14 +250,14 @@ class OutputProcessor:
         if kind == RequestOutputKind.DELTA:
             outputs = [d for d in map(_delta, completions) if d is not None]
         else:  # finished state is forgotten: its lists go out as they are
-            copy = list if kind == RequestOutputKind.CUMULATIVE else _same
+            cumulative = kind == RequestOutputKind.CUMULATIVE
             outputs = [
                 CompletionOutput(
                     index=c.index,
                     text=c.text,
-                    token_ids=copy(c.token_ids),
+                    token_ids=_copy(c.token_ids, cumulative),
                     cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                    logprobs=copy(c.logprobs) if c.logprobs is not None else None,
+                    logprobs=_copy(c.logprobs, cumulative) if c.logprobs is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
@@ -284,8 +289,9 @@ class OutputProcessor:
         return len(self.states)
 
 
-def _same(items: list) -> list:
-    return items
+def _copy(items: list[_T], cumulative: bool) -> list[_T]:
+    """A copy for CUMULATIVE outputs (the state goes on changing); the list itself otherwise."""
+    return list(items) if cumulative else items
 
 
 def _delta(c: _Completion) -> CompletionOutput | None:
@@ -294,7 +300,7 @@ def _delta(c: _Completion) -> CompletionOutput | None:
     there is no new text and it did not just finish (its tokens wait for the next output)."""
     if c.sent_finish:
         return None
-    hold = 0 if c.finish_reason else stop_holdback_len(c.text, c.params.stop)
+    hold = 0 if c.finish_reason else stop_holdback_len(c.text, c.params.stop_strings)
     end = len(c.text) - hold
     if end <= c.num_sent_chars and c.finish_reason is None:
         return None

@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from cenote.engine.chat import render_template
 from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.errors import InvalidInputError
+from cenote.inputs import PromptType
 from cenote.outputs import PoolingRequestOutput, ScoringOutput
 from cenote.pooling_params import PoolingParams
+from cenote.tasks import PoolingTask
 
 # Qwen3-Reranker's prompt (model card), served with classifier_from_token ["no", "yes"]
 QWEN3_RERANKER_TEMPLATE = (
@@ -119,7 +121,7 @@ class ScorePlan:
     sparse: bool = False  # dot product of sparse embeddings instead of cosine
     num_truncated_documents: int = 0  # documents cut (to fit, or to max_tokens_per_doc)
 
-    def scores(self, outputs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
+    def scores(self, outputs: list[PoolingRequestOutput[Any]]) -> list[PoolingRequestOutput[Any]]:
         """One ``ScoringOutput`` per pair, in pair order, from the outputs of ``requests``."""
         if self.document_rows is None:  # cross-encoder: the activated logit of each pair
             return [
@@ -193,7 +195,7 @@ class _Planner:
     priority: int
 
     def _requests(
-        self, prompts: list, params: PoolingParams, first: int, **options: Any
+        self, prompts: Sequence[PromptType], params: PoolingParams, first: int, **options: Any
     ) -> list[ParentRequest]:
         ids = [f"{self.request_id}-{first + i}" for i in range(len(prompts))]
         return self.processor.process_batch(ids, prompts, params, priority=self.priority, **options)
@@ -217,7 +219,7 @@ class _Planner:
             num_cut = _check_pairs(
                 processor, pairs, params.truncate_prompt_tokens, self.max_tokens_per_doc
             )
-            prompts: list = [{"text": q, "text_pair": d} for q, d in pairs]
+            prompts: list[PromptType] = [{"text": q, "text_pair": d} for q, d in pairs]
             requests = self._requests(
                 prompts, params, 0, max_tokens_per_doc=self.max_tokens_per_doc
             )
@@ -233,9 +235,11 @@ class _Planner:
         """Embed each distinct query once and every document, then compare per pair."""
         processor = self.processor
         score_type = processor.capabilities.score_type
-        task = {"late_interaction": "token_embed", "sparse": "embed_sparse"}.get(
-            score_type or "", "embed"
-        )
+        tasks: dict[str, PoolingTask] = {
+            "late_interaction": "token_embed",
+            "sparse": "embed_sparse",
+        }
+        task = tasks.get(score_type or "", "embed")
         truncate = self.params.truncate_prompt_tokens
         doc_truncate = truncate
         if self.max_tokens_per_doc is not None:
