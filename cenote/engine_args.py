@@ -281,10 +281,10 @@ def add_arguments(
 ) -> None:
     """One flag per field of the dataclass ``cls`` made with ``option`` (``max_num_seqs`` ->
     ``--max-num-seqs``), with its help text and default; a positional field is the positional
-    argument. ``include`` picks a subset."""
+    argument; other fields are no flags. ``include`` picks a subset."""
     hints = _type_hints(cls)
     for f in fields(cls):
-        if include is not None and f.name not in include:
+        if "help" not in f.metadata or (include is not None and f.name not in include):
             continue
         if not f.kw_only:
             parser.add_argument(f.name, nargs="?", default=f.default, help=_help(f))

@@ -28,6 +28,7 @@ from cenote.entrypoints import cli
 from cenote.models import gguf_loader
 from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.models.tokenizer import load_chat_template, load_tokenizer
+from cenote.server.state import ServerOptions
 
 FIELDS = [f for f in dataclasses.fields(EngineArgs) if f.name != "model"]
 
@@ -75,8 +76,12 @@ def test_every_engine_option_is_a_flag_with_help_and_default(command, monkeypatc
 
 def test_every_serve_option_shows_a_default(monkeypatch) -> None:
     options = _option_help(_subparser("serve"), monkeypatch)
-    for f in dataclasses.fields(cli.ServerArgs):
-        assert f"--{f.name.replace('_', '-')}" in options, f.name
+    flags = [f for f in dataclasses.fields(ServerOptions) if "help" in f.metadata]
+    for f in flags:
+        flag = f"--{f.name.replace('_', '-')}"
+        assert flag in options, f.name
+        if f.type != "bool":  # bool flags: argparse adds the default
+            assert options[flag].endswith(f"(default: {_shown_default(f)})"), (flag, options[flag])
     for flag, text in options.items():
         if flag != "-h":
             assert re.search(r"\w.*\(default: [^)]", text), f"{flag}: {text!r}"

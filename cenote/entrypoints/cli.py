@@ -11,86 +11,15 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import fields
 
 import uvicorn
 
-from cenote.engine_args import EngineArgs, HelpFormatter, add_arguments, option
+from cenote.engine_args import EngineArgs, HelpFormatter, add_arguments
 from cenote.entrypoints import embed, run_batch
 from cenote.server.state import ServerOptions
 
 logger = logging.getLogger("cenote.serve")
-
-
-_SERVER = ServerOptions()  # the server's defaults
-
-
-@dataclass(kw_only=True)
-class ServerArgs:
-    """The server's own options (the engine's are ``EngineArgs``)."""
-
-    host: str = option(_SERVER.host, "address to listen on")
-    port: int = option(_SERVER.port, "port to listen on")
-    api_key: str | None = option(
-        None,
-        "require 'Authorization: Bearer KEY' on every route but /health",
-        shown="the CENOTE_API_KEY environment variable; unset or empty: no key",
-    )
-    chat_template: str | None = option(
-        None, "a Jinja chat template, or the file holding one", shown="the model's own"
-    )
-    max_body_bytes: int = option(_SERVER.max_body_bytes, "largest request body (more: 413)")
-    max_inputs: int = option(
-        _SERVER.max_inputs, "inputs (prompts, documents) in one request (more: 400)"
-    )
-    max_input_chars: int = option(
-        _SERVER.max_input_chars, "characters in one input text (more: 400)"
-    )
-    max_request_tokens: int = option(
-        _SERVER.max_request_tokens,
-        "prompt tokens of one request, all its inputs together (more: 400)",
-    )
-    max_response_values: int = option(
-        _SERVER.max_response_values,
-        "numbers in one pooling response, e.g. token_embed tokens x size (more: 400)",
-    )
-    max_waiting_requests: int = option(
-        _SERVER.max_waiting_requests,
-        "requests queued beyond --max-num-seqs before answering 429",
-    )
-    auto_truncate: bool = option(
-        _SERVER.auto_truncate,
-        "embedding routes cut inputs longer than the model's limit instead of refusing them",
-    )
-    read_timeout: float = option(
-        30.0, "seconds a client has to send a whole request (headers and body); slower: closed"
-    )
-    keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection is kept open")
-    max_connections: int = option(
-        1024, "open connections (and their requests) at once; more are answered 503"
-    )
-    engine_heartbeat_timeout: float = option(
-        _SERVER.engine_heartbeat_timeout_s,
-        "seconds without a word from the engine core before /health reports it hung",
-    )
-    data_parallel_size: int = option(
-        _SERVER.data_parallel_size,
-        "engine-core processes, each on its own share of the cores; requests go to the least "
-        "loaded (generation: the one holding the prompt's prefix)",
-    )
-    distributed_executor: Literal["process", "ray"] = option(
-        "process",
-        "engine cores as local processes, or as Ray actors on a cluster (zmq over TCP)",
-    )
-    ray_address: str | None = option(
-        None,
-        "the Ray cluster for --distributed-executor ray",
-        shown="RAY_ADDRESS, else a local Ray instance",
-    )
-    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = option(
-        "info", "log level of the server and the engine core", parse=str.lower
-    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     EngineArgs.add_cli_args(serve)
-    add_arguments(serve.add_argument_group("server options"), ServerArgs)
+    add_arguments(serve.add_argument_group("server options"), ServerOptions)
     run_batch.add_parser(commands)
     embed.add_parser(commands)
     return parser
@@ -160,22 +89,17 @@ def serve(args: argparse.Namespace) -> int:
     from cenote.server.http import with_read_timeout
     from cenote.server.state import ServerState
 
+    given = {f.name: getattr(args, f.name) for f in fields(ServerOptions) if hasattr(args, f.name)}
     options = ServerOptions(
-        host=args.host, port=args.port, api_key=_api_key(args.api_key),
-        max_body_bytes=args.max_body_bytes,
-        max_inputs=args.max_inputs, max_input_chars=args.max_input_chars,
-        max_waiting_requests=args.max_waiting_requests, auto_truncate=args.auto_truncate,
-        max_request_tokens=args.max_request_tokens, max_response_values=args.max_response_values,
-        engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
-        distributed_executor=args.distributed_executor, ray_address=args.ray_address,
-        data_parallel_size=args.data_parallel_size, chat_template=_chat_template(args.chat_template),
+        **{**given, "api_key": _api_key(args.api_key),
+           "chat_template": _chat_template(args.chat_template)}
     )  # fmt: skip
     state = ServerState(EngineArgs.from_cli_args(args).create_engine_config(), options)
     config = uvicorn.Config(
-        build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+        build_app(state), host=options.host, port=options.port, log_level=options.log_level,
         access_log=False, timeout_graceful_shutdown=None,
-        http=with_read_timeout(args.read_timeout), timeout_keep_alive=args.keep_alive_timeout,
-        limit_concurrency=args.max_connections,
+        http=with_read_timeout(options.read_timeout),
+        timeout_keep_alive=options.keep_alive_timeout, limit_concurrency=options.max_connections,
     )  # fmt: skip
     server = _Server(config)
     exit_code = 0

@@ -175,7 +175,7 @@ async def health(raw_request: Request) -> JSONResponse:
     if not state.ready:
         reason = state.client.dead_reason or "starting"
         raise Unavailable(f"not ready: {reason}")
-    silent, limit = state.client.silent_for, state.options.engine_heartbeat_timeout_s
+    silent, limit = state.client.silent_for, state.options.engine_heartbeat_timeout
     if silent > limit:  # a core stopped (SIGSTOP) or stuck sends neither outputs nor heartbeats
         raise Unavailable(
             f"the engine core has sent nothing for {silent:.1f} s (limit {limit:g} s): it is hung"

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 
@@ -19,6 +19,7 @@ from cenote.engine.async_client import AsyncEngineClient
 from cenote.engine.client import run_async
 from cenote.engine.dp_client import DataParallelEngineClient
 from cenote.engine.input_processor import InputProcessor, ParentRequest
+from cenote.engine_args import option
 from cenote.inputs import PromptType
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import PoolingRequestOutput
@@ -30,27 +31,68 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerOptions:
-    """Server-side bounds and access control (the engine's own limits live in EngineConfig)."""
+    """The server's own options: bounds on what a request may do, access control, connections
+    (the engine's are ``EngineArgs``). ``cenote serve`` has one flag per field made with
+    ``option`` (``max_inputs`` -> ``--max-inputs``), with its help text and default."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_body_bytes: int = 16 << 20  # request body size
-    max_inputs: int = 2048  # inputs (prompts) per request
-    max_input_chars: int = 1 << 20  # characters per input text
-    max_waiting_requests: int = 4096  # beyond running ones; more answers 429
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health",
+        shown="the CENOTE_API_KEY environment variable; unset or empty: no key",
+    )
+    chat_template: str | None = option(
+        None, "a Jinja chat template, or the file holding one", shown="the model's own"
+    )
+    max_body_bytes: int = option(16 << 20, "largest request body (more: 413)")
+    max_inputs: int = option(2048, "inputs (prompts, documents) in one request (more: 400)")
+    max_input_chars: int = option(1 << 20, "characters in one input text (more: 400)")
+    max_request_tokens: int = option(
+        65536, "prompt tokens of one request, all its inputs together (more: 400)"
+    )
+    max_response_values: int = option(
+        1 << 22, "numbers in one pooling response, e.g. token_embed tokens x size (more: 400)"
+    )
+    max_waiting_requests: int = option(
+        4096, "requests queued beyond --max-num-seqs before answering 429"
+    )
+    auto_truncate: bool = option(
+        False,
+        "embedding routes cut inputs longer than the model's limit instead of refusing them",
+    )
+    read_timeout: float = option(
+        30.0, "seconds a client has to send a whole request (headers and body); slower: closed"
+    )
+    keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection is kept open")
+    max_connections: int = option(
+        1024, "open connections (and their requests) at once; more are answered 503"
+    )
+    engine_heartbeat_timeout: float = option(
+        30.0, "seconds without a word from the engine core before /health reports it hung"
+    )
+    data_parallel_size: int = option(
+        1,
+        "engine-core processes, each on its own share of the cores; requests go to the least "
+        "loaded (generation: the one holding the prompt's prefix)",
+    )
+    distributed_executor: Literal["process", "ray"] = option(
+        "process",
+        "engine cores as local processes, or as Ray actors on a cluster (zmq over TCP)",
+    )
+    ray_address: str | None = option(
+        None,
+        "the Ray cluster for --distributed-executor ray",
+        shown="RAY_ADDRESS, else a local Ray instance",
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = option(
+        "info", "log level of the server and the engine core", parse=str.lower
+    )
+    # not command-line options
     engine_dead_exit_delay_s: float = 2.0  # keep answering 503 this long before exiting
-    auto_truncate: bool = False  # embedding routes cut long inputs to fit (TEI's option)
-    max_request_tokens: int = 65536  # prompt tokens of one request, all its inputs together
-    max_response_values: int = 1 << 22  # numbers in one pooling response (token-level outputs)
     blocking_threads: int = 2  # threads for tokenization, chat templates and big JSON bodies
-    engine_heartbeat_timeout_s: float = 30.0  # /health fails when the core is silent this long
-    data_parallel_size: int = 1  # engine-core processes, each on its own share of the cores
-    distributed_executor: str = "process"  # engine cores as local processes, or Ray actors
-    ray_address: str | None = None  # executor "ray": the cluster (None: RAY_ADDRESS or local)
-    chat_template: str | None = None  # --chat-template; None: the model's own
 
 
 class ServerState:
