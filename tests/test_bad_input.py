@@ -12,8 +12,8 @@ from conftest import NUM_THREADS
 from factories.encoders import make_encoder
 from factories.texts import PARITY_TEXTS, random_prompts
 
-from cenote import LLM, PoolingParams
-from cenote.errors import InvalidInputError, UnknownArchitectureError
+from cenote import LLM, PoolingParams, SamplingParams
+from cenote.errors import InvalidInputError, InvalidInputTypeError, UnknownArchitectureError
 
 LONG_TEXT = PARITY_TEXTS[-4]  # > 256 tokens
 
@@ -119,6 +119,16 @@ def test_empty_inputs(llm_fp32) -> None:
 def test_parameter_count_must_match_prompt_count(llm_fp32) -> None:
     with pytest.raises(ValueError, match="2 parameter sets for 3 prompts"):
         llm_fp32.embed(["a", "b", "c"], [PoolingParams(), PoolingParams()])
+    _assert_idle(llm_fp32)
+
+
+def test_params_of_the_other_kind_are_refused(llm_fp32) -> None:
+    with pytest.raises(
+        InvalidInputTypeError, match="embed takes PoolingParams, got SamplingParams"
+    ):
+        llm_fp32.embed(["a", "b"], [PoolingParams(), SamplingParams()])
+    with pytest.raises(InvalidInputTypeError, match="generate takes SamplingParams, got Pooling"):
+        llm_fp32.generate("a", PoolingParams())
     _assert_idle(llm_fp32)
 
 

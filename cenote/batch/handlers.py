@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from cenote.batch.lines import BatchLine, LineError
 from cenote.engine.input_processor import ParentRequest
-from cenote.engine.output_processor import UserOutput
+from cenote.engine.output_processor import UserOutput, outputs_of
 from cenote.engine.scoring import pair_texts, plan_scores
 from cenote.entrypoints.llm import LLM
 from cenote.outputs import PoolingRequestOutput, RequestOutput
@@ -58,7 +58,6 @@ class ScoringTask:
 
 Task = PoolingTask | GenerationTask | ScoringTask
 _BODIES = (EmbeddingRequest, CompletionRequest, ChatCompletionRequest, ScoreRequest, RerankRequest)
-_T = TypeVar("_T")
 
 
 class BatchHandlers:
@@ -132,13 +131,13 @@ class BatchHandlers:
 
     def run_pooling(self, tasks: list[PoolingTask]) -> list[dict[str, Any]]:
         return [
-            self._embedding_body(task.body, _only(PoolingRequestOutput, outputs))
+            self._embedding_body(task.body, outputs_of(PoolingRequestOutput, outputs))
             for task, outputs in zip(tasks, self._run(tasks), strict=True)
         ]
 
     def run_generation(self, tasks: list[GenerationTask]) -> list[dict[str, Any]]:
         return [
-            self._generation_body(task, _only(RequestOutput, outputs))
+            self._generation_body(task, outputs_of(RequestOutput, outputs))
             for task, outputs in zip(tasks, self._run(tasks), strict=True)
         ]
 
@@ -160,7 +159,7 @@ class BatchHandlers:
             body.to_pooling_params(), max_tokens_per_doc=body.max_tokens_per_doc,
             instruction=body.instruction, fit_documents=rerank,
         )  # fmt: skip
-        scores = plan.scores(_only(PoolingRequestOutput, self.llm.client.run(plan.requests)))
+        scores = plan.scores(outputs_of(PoolingRequestOutput, self.llm.client.run(plan.requests)))
         if isinstance(body, RerankRequest):
             return self._rerank_body(body, scores)
         data = [
@@ -236,13 +235,6 @@ class BatchHandlers:
 
 def _is_set(value: Any) -> bool:
     return value not in (None, False, 0, [], {})
-
-
-def _only(kind: type[_T], outputs: list[UserOutput]) -> list[_T]:
-    """``outputs``, each a ``kind`` (failures raised in the client)."""
-    narrowed: list[_T] = [output for output in outputs if isinstance(output, kind)]
-    assert len(narrowed) == len(outputs), f"an output is not a {kind.__name__}"
-    return narrowed
 
 
 def _ids(line: BatchLine, count: int) -> list[str]:

@@ -103,6 +103,13 @@ UserOutput = RequestOutput | PoolingRequestOutput[Any] | RequestFailure
 _T = TypeVar("_T")
 
 
+def outputs_of(kind: type[_T], outputs: list[UserOutput]) -> list[_T]:
+    """``outputs``, each a ``kind`` (requests of one kind; failures were raised earlier)."""
+    narrowed: list[_T] = [output for output in outputs if isinstance(output, kind)]
+    assert len(narrowed) == len(outputs), f"an output is not a {kind.__name__}"
+    return narrowed
+
+
 class OutputProcessor:
     """Runs beside the engine core (same process offline, front process in the server). Each
     generation request gets the outputs its ``output_kind`` asks for: every update in full

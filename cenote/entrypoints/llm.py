@@ -7,14 +7,15 @@ import itertools
 import os
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from cenote.engine import scoring
 from cenote.engine.chat import special_token_variables
 from cenote.engine.client import InProcessClient
 from cenote.engine.core import EngineCore
 from cenote.engine.input_processor import InputProcessor, per_prompt
-from cenote.engine.output_processor import OutputProcessor
+from cenote.engine.output_processor import OutputProcessor, UserOutput, outputs_of
+from cenote.engine.params_validator import Params
 from cenote.engine_args import EngineArgs, with_engine_args
 from cenote.errors import InvalidInputTypeError
 from cenote.inputs import ChatPrompt, PromptType
@@ -31,6 +32,9 @@ from cenote.outputs import (
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import RequestOutputKind, SamplingParams
 from cenote.tasks import PoolingTask
+
+_Output = TypeVar("_Output", bound=PoolingOutput)
+_Params = TypeVar("_Params", SamplingParams, PoolingParams)
 
 
 class LLM:
@@ -80,7 +84,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput[EmbeddingOutput]]:
         """One embedding per prompt, in input order."""
-        return self._pool(prompts, pooling_params, "embed", use_tqdm, truncate_prompt_tokens)
+        return self._pool(
+            EmbeddingOutput, prompts, pooling_params, "embed", use_tqdm, truncate_prompt_tokens
+        )
 
     def embed_sparse(
         self,
@@ -96,12 +102,13 @@ class LLM:
         (token id, weight) pairs, largest first; only the ``max_active_dims`` largest when given;
         ``outputs.tokens`` are the vocabulary tokens of those ids when ``return_tokens``."""
         outputs = self._pool(
-            prompts, pooling_params, "embed_sparse", use_tqdm, truncate_prompt_tokens,
-            max_active_dims=max_active_dims,
+            SparseEmbeddingOutput, prompts, pooling_params, "embed_sparse", use_tqdm,
+            truncate_prompt_tokens, max_active_dims=max_active_dims,
         )  # fmt: skip
         if return_tokens:
             for out in outputs:
-                out.outputs.tokens = [self.tokenizer.id_to_token(i) for i in out.outputs.token_ids]
+                ids = out.outputs.token_ids
+                out.outputs.tokens = [self.tokenizer.id_to_token(i) or "" for i in ids]
         return outputs
 
     def encode(
@@ -114,7 +121,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput[PoolingOutput]]:
         """The raw pooler output of ``pooling_task`` per prompt (``outputs.data``)."""
-        return self._pool(prompts, pooling_params, pooling_task, use_tqdm, truncate_prompt_tokens)
+        return self._pool(
+            PoolingOutput, prompts, pooling_params, pooling_task, use_tqdm, truncate_prompt_tokens
+        )
 
     def classify(
         self,
@@ -125,7 +134,14 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput[ClassificationOutput]]:
         """Class probabilities per prompt (``outputs.probs``; ``outputs.label_names``)."""
-        return self._pool(prompts, pooling_params, "classify", use_tqdm, truncate_prompt_tokens)
+        return self._pool(
+            ClassificationOutput,
+            prompts,
+            pooling_params,
+            "classify",
+            use_tqdm,
+            truncate_prompt_tokens,
+        )
 
     def reward(
         self,
@@ -138,8 +154,12 @@ class LLM:
         """Reward scores (``outputs.data``): per token (``[num_tokens, num_labels]``, or the STEP
         rows where token == ``step_tag_id``, columns ``returned_token_ids``) on models that
         serve ``token_classify``; else the last-token score (``classify``)."""
-        task = "token_classify" if "token_classify" in self.supported_tasks else "classify"
-        return self._pool(prompts, pooling_params, task, use_tqdm, truncate_prompt_tokens)
+        task: PoolingTask = (
+            "token_classify" if "token_classify" in self.supported_tasks else "classify"
+        )
+        return self._pool(
+            PoolingOutput, prompts, pooling_params, task, use_tqdm, truncate_prompt_tokens
+        )
 
     def score(
         self,
@@ -164,19 +184,33 @@ class LLM:
             self.input_processor, self._next_id(), pairs, params,
             max_tokens_per_doc=max_tokens_per_doc, instruction=instruction,
         )  # fmt: skip
-        return plan.scores(self.client.run(plan.requests, use_tqdm))
-
-    def _pool(self, prompts, pooling_params, task, use_tqdm, truncate_prompt_tokens, **changes):
-        """Run ``task`` on every prompt; ``truncate_prompt_tokens`` (and ``changes``), when
-        given, override the params'."""
-        prompts = _as_list(prompts)
-        if not prompts:
-            return []
-        params = per_prompt(
-            PoolingParams() if pooling_params is None else pooling_params, len(prompts)
+        return plan.scores(
+            outputs_of(PoolingRequestOutput, self.client.run(plan.requests, use_tqdm))
         )
-        params = _bind([p.with_task(task) for p in params], truncate_prompt_tokens, **changes)
-        return self._run(prompts, params, use_tqdm)
+
+    def _pool(
+        self,
+        kind: type[_Output],
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        task: PoolingTask,
+        use_tqdm: bool,
+        truncate_prompt_tokens: int | None,
+        **changes: Any,
+    ) -> list[PoolingRequestOutput[_Output]]:
+        """Run ``task`` on every prompt (its outputs are ``kind``); ``truncate_prompt_tokens``
+        (and ``changes``), when given, override the params'."""
+        prompt_list = _as_list(prompts)
+        if not prompt_list:
+            return []
+        given = per_prompt(
+            PoolingParams() if pooling_params is None else pooling_params, len(prompt_list)
+        )
+        bound = [_checked(PoolingParams, p, task).with_task(task) for p in given]
+        outputs = self._run(prompt_list, _bind(bound, truncate_prompt_tokens, **changes), use_tqdm)
+        results = outputs_of(PoolingRequestOutput, outputs)
+        assert all(isinstance(out.outputs, kind) for out in results), f"{task} outputs a {kind}"
+        return results
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -194,8 +228,9 @@ class LLM:
             return []
         params = SamplingParams() if sampling_params is None else sampling_params
         # offline calls read only the finished result: no output is built before
-        final = _bind(per_prompt(params, len(prompts)), output_kind=RequestOutputKind.FINAL_ONLY)
-        return self._run(prompts, final, use_tqdm)
+        given = [_checked(SamplingParams, p, "generate") for p in per_prompt(params, len(prompts))]
+        final = _bind(given, output_kind=RequestOutputKind.FINAL_ONLY)
+        return outputs_of(RequestOutput, self._run(prompts, final, use_tqdm))
 
     def chat(
         self,
@@ -208,7 +243,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, using the model's chat
         template (or ``chat_template``), rendered in a Jinja sandbox."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        conversations = (
+            messages
+            if messages and isinstance(messages[0], list)
+            else [cast(list[dict[str, Any]], messages)]
+        )
         prompts: list[PromptType] = [
             ChatPrompt(
                 messages=conversation,
@@ -221,7 +260,9 @@ class LLM:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool) -> list:
+    def _run(
+        self, prompts: list[PromptType], params: Sequence[Params], use_tqdm: bool
+    ) -> list[UserOutput]:
         """Process ``prompts`` (every one valid, or nothing runs) and run them to the end."""
         ids = [self._next_id() for _ in prompts]
         requests = self.input_processor.process_batch(ids, prompts, params)
@@ -229,6 +270,13 @@ class LLM:
 
     def _next_id(self) -> str:
         return str(next(self._request_counter))
+
+
+def _checked(kind: type[_Params], params: Params, api: str) -> _Params:
+    """``params`` if it is the ``kind`` that ``api`` takes."""
+    if not isinstance(params, kind):
+        raise InvalidInputTypeError(f"{api} takes {kind.__name__}, got {type(params).__name__}")
+    return params
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -241,7 +289,9 @@ def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     )
 
 
-def _bind(params: list, truncate_prompt_tokens: int | None = None, **changes: Any) -> list:
+def _bind(
+    params: list[_Params], truncate_prompt_tokens: int | None = None, **changes: Any
+) -> list[_Params]:
     """``params`` with the call's overrides (None: keep the params' value); params objects
     shared by several prompts are copied once."""
     changes = {k: v for k, v in changes.items() if v is not None}
