@@ -11,4 +11,4 @@ SupportedTask = Literal[
     "generate", "embed", "token_embed", "classify", "token_classify", "embed_sparse"
 ]
 
-POOLING_TASKS: tuple[str, ...] = get_args(PoolingTask)
+POOLING_TASKS: tuple[PoolingTask, ...] = get_args(PoolingTask)

@@ -5,7 +5,7 @@ here; all input errors are raised here, as ``InvalidInputError`` with the number
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -134,7 +134,7 @@ class InputProcessor:
         """``UnsupportedTaskError`` unless the model serves ``task``."""
         self.validator.check_task(task)
 
-    def render_chat(self, prompt: dict[str, Any]) -> str:
+    def render_chat(self, prompt: Mapping[str, Any]) -> str:
         """The text of a chat prompt (``cenote.inputs.ChatPrompt``), rendered in the sandbox."""
         variables = dict(prompt.get("chat_template_kwargs") or {})
         reserved = [name for name in _CHAT_ARGUMENTS if name in variables]

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
 def _run_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """run-batch / embed: bad input (file, line, field, address) exits 1 with the reason."""
     try:
-        return args.run(args)
+        code: int = args.run(args)
+        return code
     except (FileNotFoundError, ValueError, ConnectionError) as e:
         parser.exit(1, f"cenote {args.command}: error: {e}\n")
 
@@ -99,7 +100,9 @@ def serve(args: argparse.Namespace) -> int:
         build_app(state), host=options.host, port=options.port, log_level=options.log_level,
         access_log=False, timeout_graceful_shutdown=None,
         http=with_read_timeout(options.read_timeout),
-        timeout_keep_alive=options.keep_alive_timeout, limit_concurrency=options.max_connections,
+        # uvicorn annotates an int, but the value is a loop delay: seconds as a float work
+        timeout_keep_alive=options.keep_alive_timeout,  # type: ignore[arg-type]
+        limit_concurrency=options.max_connections,
     )  # fmt: skip
     server = _Server(config)
     exit_code = 0

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cenote
@@ -192,7 +193,7 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": cenote.__version__})
 
 
-def _model_card(state: ServerState) -> dict:
+def _model_card(state: ServerState) -> dict[str, Any]:
     return {
         "id": state.model_name,
         "object": "model",
@@ -238,7 +239,7 @@ async def tokenize(body: TokenizeRequest, raw_request: Request) -> JSONResponse:
     return JSONResponse(await state.offload(_tokenize, state, body))  # off the event loop
 
 
-def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
+def _tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("pass exactly one of 'prompt' and 'messages'", param="prompt")
@@ -249,6 +250,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
         add_special_tokens = bool(add_special_tokens)  # the template writes them (vLLM)
     elif add_special_tokens is None:
         add_special_tokens = True
+    assert text is not None  # one of prompt and messages
     state.check_texts([text], "prompt")
     ids = state.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
     token_strs = (
@@ -279,11 +281,11 @@ _INVOCATION_ANSWERS = ("ChatCompletionResponse", "CompletionResponse", "RerankRe
                        "PoolingResponse")  # fmt: skip
 
 
-def _any_of(names: tuple[str, ...]) -> dict:
+def _any_of(names: tuple[str, ...]) -> dict[str, Any]:
     return {"anyOf": [{"$ref": f"#/components/schemas/{name}"} for name in names]}
 
 
-def _invocation_responses() -> dict:
+def _invocation_responses() -> dict[int | str, dict[str, Any]]:
     """The answer of whichever route the body is for (JSON, SSE or raw bytes), or an error."""
     responses = schema(None, stream=True, binary=True)
     responses[200]["content"]["application/json"] = {"schema": _any_of(_INVOCATION_ANSWERS)}
@@ -310,10 +312,13 @@ async def invocations(raw_request: Request) -> Response:
         parsed = model.model_validate(body)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
-    return await handler(parsed, raw_request=raw_request)
+    response: Response = await handler(parsed, raw_request=raw_request)
+    return response
 
 
-def _invocation_target(state: ServerState, body: dict) -> tuple:
+def _invocation_target(
+    state: ServerState, body: dict[str, Any]
+) -> tuple[Callable[..., Awaitable[Response]], type[BaseModel]]:
     tasks = state.supported_tasks
     generates = "generate" in tasks
     if "messages" in body and generates:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -124,7 +125,7 @@ def error_response(
     message: str,
     type_: str,
     param: str | None = None,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)

@@ -12,8 +12,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from cenote.engine.input_processor import ParentRequest
+from cenote.engine.output_processor import UserOutput
 from cenote.errors import UnsupportedTaskError
-from cenote.outputs import CompletionOutput, RequestOutput
+from cenote.outputs import CompletionOutput, Logprob, RequestOutput
 from cenote.sampling_params import RequestOutputKind, SamplingParams
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest, describe_error
@@ -128,7 +129,15 @@ class _Job:
     """One HTTP generation request: its prompts' requests (n completions each), the response
     shape. Streams read DELTA outputs, whole answers FINAL_ONLY ones."""
 
-    def __init__(self, state, body, response_id, object_name, requests, params) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        body: CompletionRequest | ChatCompletionRequest,
+        response_id: str,
+        object_name: str,
+        requests: list[ParentRequest],
+        params: SamplingParams,
+    ) -> None:
         self.state = state
         self.body = body
         self.id = response_id  # echoed to the client
@@ -142,14 +151,16 @@ class _Job:
     async def respond(self, raw_request: Request) -> Response:
         if self.body.stream:
             return StreamingResponse(self._stream(), media_type="text/event-stream")
-        return await self._complete(raw_request=raw_request)
+        response: Response = await self._complete(raw_request=raw_request)
+        return response
 
     # ---- running ----------------------------------------------------------------------------
 
     async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) of every prompt, interleaved as they arrive."""
         started = time.monotonic()
-        queue: asyncio.Queue = asyncio.Queue()
+        # (prompt index, an output | the error that ended it | None once it finished)
+        queue: asyncio.Queue[tuple[int, UserOutput | Exception | None]] = asyncio.Queue()
         client = self.state.client
 
         async def pump(index: int, request_id: str) -> None:
@@ -172,6 +183,9 @@ class _Job:
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    assert isinstance(item, RequestOutput), (
+                        "generation requests give RequestOutputs"
+                    )
                     first_token = item.metrics.get("first_token_time")
                     if first_token is not None and index not in timed:
                         timed.add(index)
@@ -236,7 +250,9 @@ class _Job:
 
     # ---- response shapes --------------------------------------------------------------------
 
-    def _choice(self, index, c: CompletionOutput, output: RequestOutput, first: bool) -> dict:
+    def _choice(
+        self, index: int, c: CompletionOutput, output: RequestOutput, first: bool
+    ) -> dict[str, Any]:
         """One choice (or a streamed delta of it); ``first``: its first appearance, which
         carries what belongs to the prompt (echo, prompt logprobs and token ids)."""
         choice_index = index * self.params.n + c.index
@@ -246,13 +262,13 @@ class _Job:
             message = (
                 {"content": text} if self.body.stream else {"role": "assistant", "content": text}
             )
-            choice = {"index": choice_index, key: message,
+            choice: dict[str, Any] = {"index": choice_index, key: message,
                       "logprobs": None if entries is None else self._chat_logprobs(token_ids, entries),
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
             if self.body.return_token_ids:
                 choice["token_ids"] = list(token_ids)
             return choice
-        echo = first and self.body.echo
+        echo = first and isinstance(self.body, CompletionRequest) and self.body.echo
         logprobs = None
         if entries is not None:
             logprobs = self._completion_logprobs((index, c.index), output, token_ids, entries, echo)
@@ -287,7 +303,9 @@ class _Job:
             extras["prompt_token_ids"] = list(output.prompt_token_ids)
         return extras
 
-    def _chat_logprobs(self, token_ids: list[int], entries: list[dict]) -> dict:
+    def _chat_logprobs(
+        self, token_ids: list[int], entries: list[dict[int, Logprob]]
+    ) -> dict[str, Any]:
         top_k = self.params.logprobs or 0
         content = []
         for token_id, entry in zip(token_ids, entries, strict=False):
@@ -303,12 +321,17 @@ class _Job:
         return {"content": content}
 
     def _completion_logprobs(
-        self, key, output: RequestOutput, token_ids: list[int], entries: list[dict], echo: bool
-    ) -> dict:
+        self,
+        key: tuple[int, int],
+        output: RequestOutput,
+        token_ids: list[int],
+        entries: list[dict[int, Logprob]],
+        echo: bool,
+    ) -> dict[str, Any]:
         """OpenAI's legacy shape. ``top_logprobs`` holds the sampled token and the top
         ``logprobs`` (so ``logprobs: 0`` gives the sampled token's); ``text_offset`` counts from
         the start of the choice's text (the prompt's start when echoed)."""
-        rows: list[tuple[str, float | None, dict | None]] = []
+        rows: list[tuple[str, float | None, dict[str | None, float] | None]] = []
         if echo and output.prompt_logprobs is not None:
             for token_id, entry in zip(
                 output.prompt_token_ids, output.prompt_logprobs, strict=False
@@ -332,17 +355,21 @@ class _Job:
             "text_offset": offsets,
         }
 
-    def _logprob_row(self, chosen, entry: dict) -> tuple[str, float, dict]:
+    def _logprob_row(
+        self, chosen: Logprob, entry: dict[int, Logprob]
+    ) -> tuple[str, float, dict[str | None, float]]:
         k = self.params.logprobs or 0
         top = {lp.decoded_token: lp.logprob for lp in list(entry.values())[: k + 1]}
         return chosen.decoded_token or "", chosen.logprob, top
 
-    def _envelope(self, choices: list[dict], chunk: bool = False) -> dict[str, Any]:
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool = False) -> dict[str, Any]:
         object_name = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": object_name, "created": self.created,
                 "model": self.state.model_name, "choices": choices}  # fmt: skip
 
-    def _sse(self, choices: list[dict], chunk: bool = True, usage: dict | None = None) -> bytes:
+    def _sse(
+        self, choices: list[dict[str, Any]], chunk: bool = True, usage: dict[str, int] | None = None
+    ) -> bytes:
         body = self._envelope(choices, chunk)
         if usage is not None:
             body["usage"] = usage

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import sys
 import time
+from typing import Any
 
 import msgspec
 import torch
@@ -52,7 +53,7 @@ async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response
 async def respond(
     state: ServerState,
     request_id: str,
-    outputs: list[PoolingRequestOutput],
+    outputs: list[PoolingRequestOutput[Any]],
     body: _PoolingBody,
     object_name: str,
 ) -> Response:
@@ -76,13 +77,13 @@ async def respond(
 
 
 def _default_pooling_task(state: ServerState) -> PoolingTask:
-    tasks = [t for t in state.supported_tasks if t in POOLING_TASKS]
+    tasks = [t for name in state.supported_tasks for t in POOLING_TASKS if t == name]
     return "embed" if "embed" in tasks or not tasks else tasks[0]
 
 
 async def pool(
     state: ServerState, body: _PoolingBody, task: PoolingTask, prefix: str
-) -> tuple[list[PoolingRequestOutput], str]:
+) -> tuple[list[PoolingRequestOutput[Any]], str]:
     """Run ``task`` on each input of ``body``; outputs in input order, and the request id."""
     # 1) validate and tokenize, off the event loop; 2) run in the core
     requests, request_id = await state.offload(_prepare, state, body, task, prefix)
@@ -120,12 +121,13 @@ def _prepare(
 def _output_width(state: ServerState, params: PoolingParams) -> int:
     """Numbers per token of a token-level output."""
     capabilities = state.client.capabilities
+    assert capabilities is not None, "the core reports its capabilities before serving"
     if params.task == "token_embed":
         return params.dimensions or capabilities.embedding_size or 1
     return capabilities.num_labels or 1
 
 
-def _encode(data: torch.Tensor, body: _PoolingBody) -> list | str:
+def _encode(data: torch.Tensor, body: _PoolingBody) -> list[Any] | str:
     """float: (nested) lists of the fp32 values; base64: ``embed_dtype`` values in
     ``endianness`` byte order (default: native float32, OpenAI's little-endian on x86)."""
     if body.encoding_format == "base64":
@@ -151,7 +153,10 @@ def _raw_bytes(data: torch.Tensor, body: _PoolingBody) -> bytes:
 
 
 def bytes_response(
-    state: ServerState, request_id: str, outputs: list[PoolingRequestOutput], body: _PoolingBody
+    state: ServerState,
+    request_id: str,
+    outputs: list[PoolingRequestOutput[Any]],
+    body: _PoolingBody,
 ) -> Response:
     """``encoding_format: bytes`` (vLLM): the outputs' raw bytes back to back as the body; a
     ``metadata`` header (JSON) gives each one's ``start``/``end`` offsets, shape and dtype."""
@@ -178,7 +183,10 @@ def bytes_response(
 
 
 def list_response(
-    state: ServerState, request_id: str, data: list[dict], outputs: list[PoolingRequestOutput]
+    state: ServerState,
+    request_id: str,
+    data: list[dict[str, Any]],
+    outputs: list[PoolingRequestOutput[Any]],
 ) -> Response:
     num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     body = {
@@ -192,5 +200,5 @@ def list_response(
     return json_response(body)
 
 
-def json_response(body: dict) -> Response:
+def json_response(body: dict[str, Any]) -> Response:
     return Response(msgspec.json.encode(body), media_type="application/json")

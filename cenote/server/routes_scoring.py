@@ -4,6 +4,8 @@ cross-encoders read pairs, bi-encoders compare embeddings (cosine), late interac
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -80,7 +82,7 @@ async def create_rerank_v2(body: RerankRequest, raw_request: Request) -> Respons
     ``meta.warnings`` says when documents were cut to fit."""
     state = get_state(raw_request)
     results, num_tokens, num_cut, request_id = await _rerank(state, body, return_documents=False)
-    meta: dict = {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}
+    meta: dict[str, Any] = {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}
     if num_cut:
         meta["warnings"] = [f"{num_cut} document(s) were truncated to fit the model"]
     usage = {
@@ -101,7 +103,7 @@ async def create_rerank_v2(body: RerankRequest, raw_request: Request) -> Respons
 
 async def _rerank(
     state: ServerState, body: RerankRequest, return_documents: bool
-) -> tuple[list[dict], int, int, str]:
+) -> tuple[list[dict[str, Any]], int, int, str]:
     """Results by relevance (best first, ties in input order), the top ``top_n``; the number of
     prompt tokens run; the number of documents cut; the request id."""
     query, texts = body.texts()
@@ -119,7 +121,7 @@ async def _score(
     text_2: str | list[str],
     prefix: str,
     fit_documents: bool = False,
-) -> tuple[list[PoolingRequestOutput], list[PoolingRequestOutput], str, int]:
+) -> tuple[list[PoolingRequestOutput[Any]], list[PoolingRequestOutput[Any]], str, int]:
     """Pair scores in pair order, the outputs of the requests run, the request id, and the
     number of documents cut. ``fit_documents`` (rerank): documents are cut to fit the model
     and to ``max_tokens_per_doc`` (default 4096, Cohere's: ``plan_scores``)."""

@@ -41,7 +41,7 @@ async def embed_sparse(body: SparseEmbedRequest, raw_request: Request) -> JSONRe
     request = PoolingRequest(
         input=body.inputs,
         truncate_prompt_tokens=-1 if body.truncate else None,
-        truncation_side=body.truncation_direction.lower(),
+        truncation_side="left" if body.truncation_direction.lower() == "left" else "right",
     )
     outputs, _ = await pool(state, request, "embed_sparse", "sparse")
     return JSONResponse([_sparse_values(out.outputs) for out in outputs])

@@ -19,6 +19,7 @@ from cenote.engine.async_client import AsyncEngineClient
 from cenote.engine.client import run_async
 from cenote.engine.dp_client import DataParallelEngineClient
 from cenote.engine.input_processor import InputProcessor, ParentRequest
+from cenote.engine.output_processor import outputs_of
 from cenote.engine_args import option
 from cenote.inputs import PromptType
 from cenote.models.tokenizer import load_tokenizer
@@ -223,14 +224,14 @@ class ServerState:
 
     # ---- running ------------------------------------------------------------------------------
 
-    async def run_pooling(self, requests: list[ParentRequest]) -> list[PoolingRequestOutput]:
+    async def run_pooling(self, requests: list[ParentRequest]) -> list[PoolingRequestOutput[Any]]:
         """Run pooling requests in the core, in order; records latency and prompt tokens."""
         started = time.monotonic()
-        outputs = await run_async(self.client, requests)
+        outputs = outputs_of(PoolingRequestOutput, await run_async(self.client, requests))
         elapsed = time.monotonic() - started
         self.metrics.ttft.observe(elapsed)
         self.metrics.e2e.observe(elapsed)
-        self.metrics.prompt_tokens.inc(sum(len(out.prompt_token_ids) for out in outputs))
+        self.metrics.prompt_tokens.inc(float(sum(len(out.prompt_token_ids) for out in outputs)))
         return outputs
 
 
@@ -239,7 +240,8 @@ def new_request_id(prefix: str, given: str | None = None) -> str:
 
 
 def get_state(request: Request) -> ServerState:
-    return request.app.state.cenote
+    state: ServerState = request.app.state.cenote
+    return state
 
 
 def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
