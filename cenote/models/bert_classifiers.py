@@ -18,7 +18,7 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert import BertModel, RobertaModel
-from cenote.pooling.activation import Activation
+from cenote.models.interfaces import ScorerDefaults
 from cenote.pooling.methods import PoolingMethod
 
 
@@ -32,12 +32,9 @@ def _linear_fp32(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return F.linear(x.float(), linear.weight.float(), bias)
 
 
-class BertForSequenceClassification(BertModel):
+class BertForSequenceClassification(ScorerDefaults, BertModel):
     """BERT trunk + HF pooler (dense + tanh on CLS) + ``classifier``."""
 
-    classifier_pooling: PoolingMethod | None = "cls"  # the head reads the CLS row
-    default_activation: Activation | None = None  # from the config
-    step_tag_id: int | None = None
     has_classifier_head = True
 
     def __init__(self, model_config: ModelConfig) -> None:
@@ -65,12 +62,9 @@ class RobertaClassificationHead(nn.Module):
         return _linear_fp32(torch.tanh(_linear_fp32(x, self.dense)), self.out_proj)
 
 
-class RobertaForSequenceClassification(RobertaModel):
+class RobertaForSequenceClassification(ScorerDefaults, RobertaModel):
     """RoBERTa / XLM-R trunk + classification head on ``<s>``."""
 
-    classifier_pooling: PoolingMethod | None = "cls"  # the head reads <s>
-    default_activation: Activation | None = None  # from the config
-    step_tag_id: int | None = None
     has_classifier_head = True
 
     def __init__(self, model_config: ModelConfig) -> None:
@@ -82,12 +76,10 @@ class RobertaForSequenceClassification(RobertaModel):
         return self.classifier(pooled)  # [N, num_labels] fp32
 
 
-class BertForTokenClassification(BertModel):
+class BertForTokenClassification(ScorerDefaults, BertModel):
     """BERT trunk + a per-token ``classifier`` (named-entity style labels)."""
 
     classifier_pooling: PoolingMethod | None = None  # token_classify only
-    default_activation: Activation | None = None  # from the config
-    step_tag_id: int | None = None
     has_classifier_head = True
 
     def __init__(self, model_config: ModelConfig) -> None:

@@ -21,9 +21,8 @@ from cenote.config import ModelConfig
 from cenote.models.bert import BertLayer
 from cenote.models.bert_classifiers import _linear_fp32, num_labels_of
 from cenote.models.checkpoint_map import CheckpointMap, Slot, fused_slots, linear_slots
+from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.activation import get_activation
-from cenote.pooling.activation import Activation
-from cenote.pooling.methods import PoolingMethod
 
 _EPS = 1e-12  # DistilBERT's LayerNorms ignore config.layer_norm_eps
 
@@ -120,12 +119,8 @@ class DistilBertModel(nn.Module):
         return self.checkpoint_map.required()
 
 
-class DistilBertForSequenceClassification(DistilBertModel):
+class DistilBertForSequenceClassification(ScorerDefaults, DistilBertModel):
     """Trunk + ``classifier(relu(pre_classifier(h_cls)))`` (msmarco cross-encoders)."""
-
-    classifier_pooling: PoolingMethod | None = "cls"  # the head reads the CLS row
-    default_activation: Activation | None = None  # from the config
-    step_tag_id: int | None = None
 
     def __init__(self, model_config: ModelConfig) -> None:
         self.num_labels = num_labels_of(model_config.hf_config)

@@ -84,6 +84,16 @@ class SequenceScorer(Protocol):
         ...
 
 
+class ScorerDefaults:
+    """The usual ``SequenceScorer`` declarations, for a head class to inherit (first, before
+    its trunk) and override where it differs: CLS pooling, the config's activation, no
+    default step tag."""
+
+    classifier_pooling: PoolingMethod | None = "cls"
+    default_activation: Activation | None = None
+    step_tag_id: int | None = None
+
+
 @runtime_checkable
 class MaskedLM(Protocol):
     """A masked-LM head: hidden rows -> vocabulary logits (SPLADE sparse embeddings)."""

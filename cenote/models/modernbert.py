@@ -18,12 +18,12 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert_classifiers import num_labels_of
+from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.linear import TrunkLinear
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
 from cenote.models.weights import load_by_name
-from cenote.pooling.activation import Activation
 from cenote.pooling.methods import PoolingMethod
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -191,13 +191,11 @@ class ModernBertModel(nn.Module):
         return {name for name, _ in self.named_parameters()}
 
 
-class ModernBertForSequenceClassification(ModernBertModel):
+class ModernBertForSequenceClassification(ScorerDefaults, ModernBertModel):
     """Trunk + ``classifier(norm(act(dense(pooled))))``; pooled is CLS or the mean of the
     prompt's tokens (``classifier_pooling``). The head runs in fp32."""
 
     classifier_pooling: PoolingMethod | None  # the config's: CLS or mean
-    default_activation: Activation | None = None  # from the config
-    step_tag_id: int | None = None
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)

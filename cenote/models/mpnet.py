@@ -22,9 +22,8 @@ from cenote.models.bert import BertLayer
 from cenote.models.bert_classifiers import RobertaClassificationHead, num_labels_of
 from cenote.models.checkpoint_map import CheckpointMap, Slot, fused_slots, linear_slots
 from cenote.models.distilbert import WordPositionEmbeddings
+from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.attention import EncoderMaskFn
-from cenote.pooling.activation import Activation
-from cenote.pooling.methods import PoolingMethod
 
 _PADDING_IDX = 1  # transformers' MPNetEmbeddings hard-codes it
 _NUM_BUCKETS = 32  # MPNetEncoder.compute_position_bias default, whatever the config says
@@ -146,12 +145,8 @@ class MPNetModel(nn.Module):
         return self.checkpoint_map.required()
 
 
-class MPNetForSequenceClassification(MPNetModel):
+class MPNetForSequenceClassification(ScorerDefaults, MPNetModel):
     """Trunk + ``classifier`` (dense -> tanh -> out_proj) on ``<s>``."""
-
-    classifier_pooling: PoolingMethod | None = "cls"  # the head reads <s>
-    default_activation: Activation | None = None  # from the config
-    step_tag_id: int | None = None
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
