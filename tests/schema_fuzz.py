@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import hypothesis
 import requests
@@ -36,8 +38,8 @@ CHECKS = [
     response_schema_conformance,
 ]
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
-# (mode, steered): raw positive cases, positive cases steered past the cross-field checks the
-# schema cannot state (so they reach the engine), negative cases
+# (mode, steered): raw positive cases, positive cases steered past the checks the schema cannot
+# state (cross-field, the served model's limits) so that they reach the engine, negative cases
 MODES = ((POSITIVE, False), (POSITIVE, True), (NEGATIVE, False))
 
 # Generation lengths are capped so a run's time is bounded (a fuzzed temperature of 1e30 with
@@ -139,7 +141,8 @@ _REFUSED = frozenset({"tools", "tool_choice", "functions", "function_call", "par
 def steer(path: str, body: Any) -> Any:
     """A positive body made past the checks that span fields: no ``model`` (a drawn name is
     an unknown model) and no refused field, exactly one of the exclusive inputs, chat messages
-    with a real role, at least one rerank document. Every other drawn value is kept."""
+    with a real role, at least one rerank document; generation bodies also past the served
+    model's limits (``_steer_generation``). Every other drawn value is kept."""
     if not isinstance(body, dict):
         return body
     body = {k: v for k, v in body.items() if k != "model" and k not in _REFUSED}
@@ -156,7 +159,53 @@ def steer(path: str, body: Any) -> Any:
         body["messages"] = [_steer_message(m) for m in body["messages"]] or [_steer_message({})]
     if body.get("documents") == []:
         body["documents"] = ["a document"]
+    if path in _GENERATION_PATHS:
+        _steer_generation(path, body)
     return body
+
+
+_GENERATION_PATHS = ("/v1/completions", _CHAT_PATH)
+_NUM_COMMON_IDS = 1000  # token ids below this are in the vocabulary of every fuzzed model
+# limits of the served model and its options (max_logprobs, max_model_len): values drawn above
+# them are lowered
+_MODEL_LIMITS = {"logprobs": 5, "top_logprobs": 5, "prompt_logprobs": 5, "max_tokens": 8,
+                 "max_completion_tokens": 8, "min_tokens": 8, "truncate_prompt_tokens": 64}  # fmt: skip
+
+
+def _steer_generation(path: str, body: dict[str, Any]) -> None:
+    """In place: prompts that are not empty, token ids (prompt, stop, logit bias) the model
+    has, lengths and logprob counts within its limits, and the fields that go together
+    (``min_tokens`` <= ``max_tokens``, ``stream_options`` with ``stream``, ``top_logprobs``
+    with ``logprobs``)."""
+    for name, limit in _MODEL_LIMITS.items():
+        if type(body.get(name)) is int and body[name] > limit:
+            body[name] = limit
+    if body.get("truncate_prompt_tokens") == 0:
+        body["truncate_prompt_tokens"] = -1  # 0 is no length
+    if "prompt" in body:
+        body["prompt"] = _steer_prompt(body["prompt"])
+    if isinstance(body.get("stop_token_ids"), list):
+        body["stop_token_ids"] = [t % _NUM_COMMON_IDS for t in body["stop_token_ids"]]
+    if isinstance(body.get("logit_bias"), dict):
+        body["logit_bias"] = {str(i): v for i, v in enumerate(body["logit_bias"].values())}
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if type(body.get("min_tokens")) is int and type(max_tokens) is int:
+        body["min_tokens"] = min(body["min_tokens"], max_tokens)
+    if body.get("stream") is not True:
+        body.pop("stream_options", None)
+    if path == _CHAT_PATH and body.get("top_logprobs"):
+        body["logprobs"] = True
+
+
+def _steer_prompt(prompt: Any) -> Any:
+    """A completion prompt with no empty text or token list, its ids in every vocabulary."""
+    if isinstance(prompt, str):
+        return prompt or _FILL["prompt"]
+    if not isinstance(prompt, list) or not prompt:
+        return _FILL["prompt"]
+    if all(type(t) is int for t in prompt):
+        return [t % _NUM_COMMON_IDS for t in prompt]
+    return [_steer_prompt(p) if isinstance(p, str) or p else [1] for p in prompt]
 
 
 def _steer_message(message: Any) -> dict[str, Any]:
@@ -171,11 +220,12 @@ def _steer_message(message: Any) -> dict[str, Any]:
 
 def fuzz(url: str, examples_per_operation: int, seed: int = 0, schema: Any = None) -> FuzzReport:
     """Up to ``examples_per_operation`` cases of each mode (``MODES``) for every operation of
-    the server at ``url``, seeded (the same seed sends the same requests)."""
+    the server at ``url``, seeded: the same seed sends the same requests, whatever the code of
+    cenote and whichever modules the process has loaded (``_seed_alone``)."""
     schema = schema if schema is not None else load_schema(url)
     report = FuzzReport()
     started = time.monotonic()
-    with requests.Session() as session:
+    with requests.Session() as session, _seed_alone():
         served = session.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         target = _Target(url, session, served, report)
         for result in schema.get_all_operations():
@@ -183,6 +233,26 @@ def fuzz(url: str, examples_per_operation: int, seed: int = 0, schema: Any = Non
                 _fuzz_operation(target, result.ok(), mode, steered, examples_per_operation, seed)
     report.seconds = time.monotonic() - started
     return report
+
+
+@contextlib.contextmanager
+def _seed_alone() -> Iterator[None]:
+    """Hypothesis (6.131 on) also draws, now and then, literals it collects from the source of
+    every loaded module outside the tests: cenote's. Then the requests a seed sends change with
+    any edit of cenote and with the modules a run has imported, and a route may get no valid
+    body at all in one run and many in the next. Without that pool the seed alone decides."""
+    from hypothesis.internal.conjecture import providers
+
+    cache = getattr(providers, "CONSTANTS_CACHE", None)
+    if not hasattr(providers, "_get_local_constants") or cache is None:
+        yield  # a Hypothesis without the pool
+        return
+    cache.cache.clear()  # the pools of earlier draws
+    try:
+        with mock.patch.object(providers, "_get_local_constants", providers.Constants):
+            yield
+    finally:
+        cache.cache.clear()
 
 
 @dataclass

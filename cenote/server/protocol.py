@@ -9,10 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 from cenote.errors import InvalidInputError
 from cenote.inputs import ChatPrompt, PromptType, TokensPrompt
 from cenote.pooling_params import PoolingParams
-from cenote.sampling_params import RequestOutputKind, SamplingParams
+from cenote.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 from cenote.tasks import PoolingTask
 
 StrictInt = Annotated[int, Strict()]  # a JSON integer: true / 1.5 / "1" are refused
+# integers with the bounds the engine enforces, stated in the OpenAPI schema
+Int64 = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]  # 0 or more
+PositiveCount = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
 TokenIds = list[StrictInt]
 PromptInput = str | list[str] | TokenIds | list[TokenIds]
 ChatMessages = list[dict[str, Any]]  # checked by cenote.engine.chat (roles, content parts)
@@ -232,32 +236,37 @@ class StreamOptions(_Body):
 
 
 class _GenerationBody(_Body):
+    """Value ranges are SamplingParams' (declared here so the schema states them); limits
+    that depend on the model (vocabulary, max_model_len, max_logprobs) are checked later."""
+
     model: str | None = None
-    max_tokens: StrictInt | None = None  # default: 16 (completions), the context left (chat)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: StrictInt = 0
-    min_p: float = 0.0
-    n: StrictInt = 1
+    max_tokens: PositiveCount | None = None  # default: 16 (completions), the context left (chat)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: StrictInt = Field(default=0, ge=-1, le=INT64_MAX)  # 0 or -1: off
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    n: PositiveCount = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    min_tokens: StrictInt = 0
+    stop_token_ids: list[Count] | None = None
+    seed: Int64 | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    # token id (as a string) -> bias
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    min_tokens: Count = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: StrictInt | None = None  # top logprobs per prompt token (vLLM)
+    prompt_logprobs: Count | None = None  # top logprobs per prompt token (vLLM)
     return_token_ids: bool = False  # token ids of prompt and completion in each choice (vLLM)
-    truncate_prompt_tokens: StrictInt | None = None  # keep this many prompt tokens
+    # keep this many prompt tokens (-1: the model's limit)
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] = "left"  # generation keeps the prompt's end
     user: str | None = None
-    priority: StrictInt = 0
+    priority: Int64 = 0
     request_id: str | None = None
     # OpenAI fields cenote does not implement: refused with a 400 when they ask for anything
     tools: list[Any] | None = None
@@ -266,7 +275,7 @@ class _GenerationBody(_Body):
     function_call: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    best_of: StrictInt | None = None
+    best_of: PositiveCount | None = None
 
     default_max_tokens: ClassVar[int | None] = None  # without max_tokens: the context left
 
@@ -295,7 +304,7 @@ class CompletionRequest(_GenerationBody):
     """POST /v1/completions."""
 
     prompt: PromptInput
-    logprobs: StrictInt | None = Field(default=None, ge=0)  # top logprobs per generated token
+    logprobs: Count | None = None  # top logprobs per generated token
     echo: bool = False  # the prompt before the completion (with its logprobs when asked)
     suffix: str | None = None  # not implemented: refused when given
     add_special_tokens: bool = True
@@ -322,9 +331,9 @@ class ChatCompletionRequest(_GenerationBody):
     """POST /v1/chat/completions."""
 
     messages: ChatMessages
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: PositiveCount | None = None
     logprobs: bool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0)
+    top_logprobs: Count | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # leave the last (assistant) message open
     chat_template_kwargs: dict[str, Any] | None = None
