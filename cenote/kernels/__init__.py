@@ -24,6 +24,10 @@ import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, Protocol, cast
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,55 @@ _QUANT_SOURCES = [_HERE / "quant_linear.cpp", _HERE / "fused_ops.cpp"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 _STALE_LOCK_S = 600
 _lock = threading.Lock()
+
+
+class QuantOps(Protocol):
+    """The functions of the quantized-matmul / fused-layer module that cenote calls (its
+    PYBIND11_MODULE in quant_linear.cpp)."""
+
+    def quant_matmul(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        mn: torch.Tensor | None,
+        bits: int,
+        group: int,
+        /,
+    ) -> torch.Tensor:
+        """``x [M, K] @ dequant(q [N, K]).T`` -> ``[M, N]`` in ``x``'s dtype."""
+        ...
+
+    def quant_dequantize(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        mn: torch.Tensor | None,
+        bits: int,
+        group: int,
+        dtype: torch.dtype,
+        buffer: torch.Tensor | None,
+        /,
+    ) -> torch.Tensor:
+        """The dense ``[N, K]`` weight in ``dtype``, written into ``buffer`` when given."""
+        ...
+
+    def add_rms_norm_(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, /
+    ) -> None:
+        """``residual += x`` (when given), then ``x`` = RMSNorm of the sum (or of ``x``) times
+        ``weight``, in place."""
+        ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor:
+        """``silu(gate) * up`` of a fused ``[T, 2 * intermediate]`` projection."""
+        ...
+
+    def rotary_(
+        self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int, /
+    ) -> None:
+        """Rotate-half rotary embedding of the first ``width`` columns of ``qk``, in place."""
+        ...
 
 
 def kernel_cache_dir() -> Path:
@@ -112,12 +165,15 @@ def _remove_stale_lock(lock: Path) -> None:
 
 
 @cache
-def _load_quant() -> ModuleType | None:
+def _load_quant() -> QuantOps | None:
     if kernels_disabled():
         logger.info("C++ kernels disabled by CENOTE_DISABLE_KERNELS=1")
         return None
     try:
-        return build_extension("cenote_quant", _QUANT_SOURCES, python_module=True)
+        module = build_extension("cenote_quant", _QUANT_SOURCES, python_module=True)
+        # pybind11 modules carry no type information; QuantOps declares the functions the
+        # sources define
+        return cast(QuantOps, module)
     except Exception as e:  # no compiler, no ninja, a failed build: fall back, say why
         message = str(e).strip()
         logger.warning(
@@ -128,7 +184,7 @@ def _load_quant() -> ModuleType | None:
         return None
 
 
-def quant_ops() -> ModuleType | None:
+def quant_ops() -> QuantOps | None:
     """The compiled quantized-matmul / fused-layer module, built on first call; None if
     unavailable."""
     with _lock:

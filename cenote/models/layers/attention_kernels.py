@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Protocol, cast
 
 import torch
 
@@ -22,19 +22,47 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("attention_kernels.cpp")
 
 
+class AttentionOps(Protocol):
+    """The ops of ``torch.ops.cenote_attention`` (their schemas: TORCH_LIBRARY in
+    attention_kernels.cpp)."""
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        key_starts: torch.Tensor,
+        key_ends: torch.Tensor,
+        scale: float,
+        softcap: float,
+        /,
+    ) -> torch.Tensor:
+        """q [rows, heads, head_dim] (fp32 or bf16, the cache's dtype); kv_cache: one layer's
+        ``kv_cache_shape``; block_tables [rows, max_blocks] int64; row r attends to the keys at
+        table positions [key_starts[r], key_ends[r]); softcap 0 = none; -> [rows, heads, dim]."""
+        ...
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        starts: list[int],
+        lengths: list[int],
+        scale: float,
+        causal: bool,
+        /,
+    ) -> None:
+        """q/out [tokens, heads, dim], k/v [tokens, kv_heads, dim]; the request of rows
+        [starts[i], starts[i] + lengths[i]) attends to its own rows (SDPA, top-left causal when
+        ``causal``), written into ``out``."""
+        ...
+
+
 @functools.cache
-def attention_ops() -> Any | None:
-    """``torch.ops.cenote_attention`` (building it on first call), or None.
-
-    ``paged_attention(q, kv_cache, block_tables, key_starts, key_ends, scale, softcap) -> out``:
-    q [rows, heads, head_dim] (fp32 or bf16, the cache's dtype); kv_cache: one layer's
-    ``kv_cache_shape``; block_tables [rows, max_blocks] int64; row r attends to the keys at
-    table positions [key_starts[r], key_ends[r]); softcap 0 = none; out [rows, heads, dim].
-
-    ``varlen_attention(q, k, v, out, starts, lengths, scale, causal)``: q/out [tokens, heads,
-    dim], k/v [tokens, kv_heads, dim]; the request of rows [starts[i], starts[i] + lengths[i])
-    attends to its own rows (SDPA, top-left causal when ``causal``), written into ``out``.
-    """
+def attention_ops() -> AttentionOps | None:
+    """``torch.ops.cenote_attention`` (building it on first call), or None."""
     if kernels_disabled():
         logger.info("attention kernels disabled by CENOTE_DISABLE_KERNELS=1")
         return None
@@ -51,7 +79,9 @@ def attention_ops() -> Any | None:
         )
         return None
     _register_fakes()
-    return ops
+    # an op namespace resolves its ops by name at run time; AttentionOps declares the schemas
+    # the library registers
+    return cast(AttentionOps, ops)
 
 
 def _register_fakes() -> None:

@@ -23,7 +23,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """An opaque oneDNN copy of ``weight [out, in]``, or None where prepacking is unavailable."""
     if weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES:
         return None
-    if not torch.backends.mkldnn.is_available():
+    # torch leaves mkldnn.is_available() unannotated (it returns a bool)
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_SIZE_HINT)

@@ -101,7 +101,8 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     )
     if not same:
         return None
-    mins = None if first.mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
+    mins_parts = [p.mins for p in parts if p.mins is not None]  # all or none (``same``)
+    mins = torch.cat(mins_parts) if mins_parts else None
     return QuantizedWeight(
         torch.cat([p.qdata for p in parts]),
         torch.cat([p.scales for p in parts]),
@@ -179,6 +180,7 @@ def from_gguf(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> Quantized
 
     rows, k = shape
     kind = GGMLQuantizationType[qtype]
+    mins: np.ndarray | None  # per-group offsets, None where the type has none
 
     def dense() -> np.ndarray:
         return np.asarray(dequantize(data, kind), dtype=np.float32).reshape(rows, k)
