@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(model).embed(...)`` / ``.encode(...)`` / ``.generate(...)``."""
+"""The offline API: ``LLM(model).embed(...)`` / ``.encode(...)`` / ``.generate(...)``, and the
+params and output classes it takes and returns (``__all__``: what ``cenote`` exports)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,18 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Sequence
-from functools import cached_property
-from typing import Any, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, Unpack, cast
 
 from cenote.engine import scoring
-from cenote.engine.chat import special_token_variables
 from cenote.engine.client import InProcessClient
 from cenote.engine.core import EngineCore
 from cenote.engine.input_processor import InputProcessor, per_prompt
-from cenote.engine.output_processor import OutputProcessor, UserOutput, outputs_of
+from cenote.engine.output_processor import UserOutput, outputs_of
 from cenote.engine.params_validator import Params
 from cenote.engine_args import EngineArgs, with_engine_args
 from cenote.errors import InvalidInputTypeError
 from cenote.inputs import ChatPrompt, PromptType
-from cenote.models.tokenizer import load_chat_template, load_tokenizer
+from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import (
     ClassificationOutput,
     EmbeddingOutput,
@@ -33,8 +32,31 @@ from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import RequestOutputKind, SamplingParams
 from cenote.tasks import PoolingTask
 
+__all__ = [
+    "LLM",
+    "PoolingParams",
+    "SamplingParams",
+    "RequestOutput",
+    "PoolingRequestOutput",
+    "ClassificationOutput",
+    "EmbeddingOutput",
+    "PoolingOutput",
+    "ScoringOutput",
+    "SparseEmbeddingOutput",
+]
+
 _Output = TypeVar("_Output", bound=PoolingOutput)
 _Params = TypeVar("_Params", SamplingParams, PoolingParams)
+
+Prompts = PromptType | Sequence[PromptType]  # one prompt or a list (``cenote.inputs``)
+PoolingParamsArg = PoolingParams | Sequence[PoolingParams] | None  # one for all, or one each
+
+
+class PoolOptions(TypedDict, total=False):
+    """The keyword options every pooling call takes."""
+
+    truncate_prompt_tokens: int | None  # cut prompts to this many tokens (-1: the model's limit)
+    use_tqdm: bool  # a progress bar for long jobs (default True)
 
 
 class LLM:
@@ -52,58 +74,46 @@ class LLM:
         changes: no environment variable, and torch's thread count only when ``num_threads`` is
         given."""
         self.config = EngineArgs.from_options(model, options).create_engine_config()
-        model_config = self.config.model
         self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(model_config)
+        self.tokenizer = load_tokenizer(self.config.model)
         self.input_processor = InputProcessor(
-            model_config, self.tokenizer, self.engine.capabilities
+            self.config.model, self.tokenizer, self.engine.capabilities
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.chat_template = load_chat_template(model_config)
-        self._template_tokens = special_token_variables(self.tokenizer, model_config.hf_config)
+        # the engine loop (cenote.engine.client): every method here hands its prompts to
+        # input_processor.process_batch and runs the requests through this client
+        self.client = InProcessClient(self.engine, self.tokenizer)
         self._request_counter = itertools.count()
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
         return self.engine.capabilities.supported_tasks
 
-    @cached_property
-    def client(self) -> InProcessClient:
-        """The engine loop (``cenote.engine.client``): every method here hands its prompts to
-        ``input_processor.process_batch`` and runs the requests through this client."""
-        return InProcessClient(self.engine, self.tokenizer)
-
     # ---- pooling ----------------------------------------------------------------------------
 
     def embed(
         self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        *,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
+        **options: Unpack[PoolOptions],
     ) -> list[PoolingRequestOutput[EmbeddingOutput]]:
         """One embedding per prompt, in input order."""
-        return self._pool(
-            EmbeddingOutput, prompts, pooling_params, "embed", use_tqdm, truncate_prompt_tokens
-        )
+        return self._pool(EmbeddingOutput, "embed", prompts, pooling_params, **options)
 
     def embed_sparse(
         self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
         *,
         max_active_dims: int | None = None,
         return_tokens: bool = False,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        **options: Unpack[PoolOptions],
     ) -> list[PoolingRequestOutput[SparseEmbeddingOutput]]:
         """One sparse (SPLADE) embedding per prompt, in input order: ``outputs.pairs`` are its
         (token id, weight) pairs, largest first; only the ``max_active_dims`` largest when given;
         ``outputs.tokens`` are the vocabulary tokens of those ids when ``return_tokens``."""
         outputs = self._pool(
-            SparseEmbeddingOutput, prompts, pooling_params, "embed_sparse", use_tqdm,
-            truncate_prompt_tokens, max_active_dims=max_active_dims,
+            SparseEmbeddingOutput, "embed_sparse", prompts, pooling_params,
+            max_active_dims=max_active_dims, **options,
         )  # fmt: skip
         if return_tokens:
             for out in outputs:
@@ -113,43 +123,29 @@ class LLM:
 
     def encode(
         self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
         *,
         pooling_task: PoolingTask = "embed",
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        **options: Unpack[PoolOptions],
     ) -> list[PoolingRequestOutput[PoolingOutput]]:
         """The raw pooler output of ``pooling_task`` per prompt (``outputs.data``)."""
-        return self._pool(
-            PoolingOutput, prompts, pooling_params, pooling_task, use_tqdm, truncate_prompt_tokens
-        )
+        return self._pool(PoolingOutput, pooling_task, prompts, pooling_params, **options)
 
     def classify(
         self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        *,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
+        **options: Unpack[PoolOptions],
     ) -> list[PoolingRequestOutput[ClassificationOutput]]:
         """Class probabilities per prompt (``outputs.probs``; ``outputs.label_names``)."""
-        return self._pool(
-            ClassificationOutput,
-            prompts,
-            pooling_params,
-            "classify",
-            use_tqdm,
-            truncate_prompt_tokens,
-        )
+        return self._pool(ClassificationOutput, "classify", prompts, pooling_params, **options)
 
     def reward(
         self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        *,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
+        **options: Unpack[PoolOptions],
     ) -> list[PoolingRequestOutput[PoolingOutput]]:
         """Reward scores (``outputs.data``): per token (``[num_tokens, num_labels]``, or the STEP
         rows where token == ``step_tag_id``, columns ``returned_token_ids``) on models that
@@ -157,9 +153,7 @@ class LLM:
         task: PoolingTask = (
             "token_classify" if "token_classify" in self.supported_tasks else "classify"
         )
-        return self._pool(
-            PoolingOutput, prompts, pooling_params, task, use_tqdm, truncate_prompt_tokens
-        )
+        return self._pool(PoolingOutput, task, prompts, pooling_params, **options)
 
     def score(
         self,
@@ -191,15 +185,16 @@ class LLM:
     def _pool(
         self,
         kind: type[_Output],
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         task: PoolingTask,
-        use_tqdm: bool,
-        truncate_prompt_tokens: int | None,
-        **changes: Any,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        max_active_dims: int | None = None,
     ) -> list[PoolingRequestOutput[_Output]]:
         """Run ``task`` on every prompt (its outputs are ``kind``); ``truncate_prompt_tokens``
-        (and ``changes``), when given, override the params'."""
+        and ``max_active_dims``, when given, override the params'."""
         prompt_list = _as_list(prompts)
         if not prompt_list:
             return []
@@ -207,8 +202,8 @@ class LLM:
             PoolingParams() if pooling_params is None else pooling_params, len(prompt_list)
         )
         bound = [_checked(PoolingParams, p, task).with_task(task) for p in given]
-        outputs = self._run(prompt_list, _bind(bound, truncate_prompt_tokens, **changes), use_tqdm)
-        results = outputs_of(PoolingRequestOutput, outputs)
+        params = _bind(bound, truncate_prompt_tokens, max_active_dims=max_active_dims)
+        results = outputs_of(PoolingRequestOutput, self._run(prompt_list, params, use_tqdm))
         assert all(isinstance(out.outputs, kind) for out in results), f"{task} outputs a {kind}"
         return results
 
@@ -216,7 +211,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: PromptType | Sequence[PromptType],
+        prompts: Prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
@@ -279,7 +274,7 @@ def _checked(kind: type[_Params], params: Params, api: str) -> _Params:
     return params
 
 
-def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+def _as_list(prompts: Prompts) -> list[PromptType]:
     if isinstance(prompts, str | dict):
         return [prompts]
     if isinstance(prompts, Sequence):
