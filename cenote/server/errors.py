@@ -10,7 +10,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,53 +21,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cenote.errors import CenoteError, EngineDeadError, InvalidInputError, RequestFailedError
 
 logger = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    """An error with its HTTP status; raised by routes and middleware."""
-
-    status: int = 400
-    type: str = "invalid_request_error"
-
-    def __init__(
-        self, message: str, param: str | None = None, headers: dict[str, str] | None = None
-    ):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.headers = headers
-
-
-class BadRequest(APIError):
-    status, type = 400, "invalid_request_error"
-
-
-class Unauthorized(APIError):
-    status, type = 401, "authentication_error"
-
-
-class ModelNotFound(APIError):
-    status, type = 404, "not_found_error"
-
-
-class PayloadTooLarge(APIError):
-    status, type = 413, "invalid_request_error"
-
-
-class Overloaded(APIError):
-    status, type = 429, "rate_limit_error"
-
-
-class Unavailable(APIError):
-    status, type = 503, "service_unavailable"
-
-
-class BodyError(StarletteHTTPException):
-    """A request body that cannot be read (not JSON, not UTF-8, too large, too deep). An HTTP
-    exception, so FastAPI passes it through while it reads the body; answered like an APIError."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(status_code=status, detail=message)
 
 
 # OpenAI's error ``type`` for each status (never an HTTP phrase)
@@ -84,6 +37,48 @@ ERROR_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+
+class APIError(Exception):
+    """An error with its HTTP status; raised by routes and middleware. Its OpenAI ``type`` is
+    the status's (``ERROR_TYPES``)."""
+
+    status: int = 400
+
+    def __init__(
+        self, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+    @property
+    def type(self) -> str:
+        return ERROR_TYPES[self.status]
+
+
+def _status_error(name: str, status: int) -> type[APIError]:
+    """The APIError subclass ``name`` that answers ``status``."""
+    doc = f"An APIError answered with status {status} ({ERROR_TYPES[status]})."
+    attributes = {"status": status, "__doc__": doc, "__module__": __name__}
+    return cast("type[APIError]", type(name, (APIError,), attributes))
+
+
+BadRequest = _status_error("BadRequest", 400)
+Unauthorized = _status_error("Unauthorized", 401)
+ModelNotFound = _status_error("ModelNotFound", 404)
+PayloadTooLarge = _status_error("PayloadTooLarge", 413)
+Overloaded = _status_error("Overloaded", 429)
+Unavailable = _status_error("Unavailable", 503)
+
+
+class BodyError(StarletteHTTPException):
+    """A request body that cannot be read (not JSON, not UTF-8, too large, too deep). An HTTP
+    exception, so FastAPI passes it through while it reads the body; answered like an APIError."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(status_code=status, detail=message)
 
 
 class ErrorDetail(BaseModel):
