@@ -23,20 +23,17 @@ fused projections.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.models.layers.activation import get_activation
-from cenote.models.layers.attention import Attention
-from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
+from cenote.models.decoder_base import DecoderBase
+from cenote.models.layers.decoder import DecoderAttention, GatedMLP
+from cenote.models.layers.linear import pack_weight, packed_linear
 from cenote.models.layers.norm import GemmaRMSNorm
-from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
-from cenote.models.sliding_window import kv_free_window
-from cenote.models.weights import copy_weight
+from cenote.models.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -79,63 +76,6 @@ def gemma3_rope_parameters(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {"full_attention": full, "sliding_attention": sliding}
 
 
-class Gemma3Attention(nn.Module):
-    """Fused qkv projection, per-head q/k norm, RoPE, (sliding-window) attention, output proj."""
-
-    def __init__(
-        self,
-        config: dict[str, Any],
-        layer_idx: int,
-        window: int | None,
-        causal: bool | None,
-    ) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
-        self.head_dim = config.get("head_dim") or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(config.get("attention_bias", False))
-        self.qkv_proj = TrunkLinear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = TrunkLinear(self.q_size, hidden, bias=bias)
-        eps = config.get("rms_norm_eps", 1e-6)
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps)
-        scalar = config.get("query_pre_attn_scalar") or self.head_dim
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            self.num_kv_heads,
-            layer_idx,
-            float(scalar) ** -0.5,
-            sliding_window=window,
-            causal=causal,
-        )
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).flatten(1)
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).flatten(1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v.contiguous()))  # [num_tokens, hidden]
-
-
-class Gemma3MLP(nn.Module):
-    """``down(gelu_tanh(gate) * up)`` with a fused gate/up projection, no biases."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__()
-        hidden, intermediate = config["hidden_size"], config["intermediate_size"]
-        self.gate_up_proj = TrunkLinear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = TrunkLinear(intermediate, hidden, bias=False)
-        self.act = get_activation(config.get("hidden_activation", "gelu_pytorch_tanh"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-
 class Gemma3DecoderLayer(nn.Module):
     """``x + norm(attn(norm(x)))``, then ``x + norm(mlp(norm(x)))``."""
 
@@ -145,10 +85,19 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = Gemma3Attention(config, layer_idx, window, causal)
+        self.self_attn = DecoderAttention(
+            config,
+            layer_idx,
+            qkv_bias=bool(config.get("attention_bias", False)),
+            o_bias=bool(config.get("attention_bias", False)),
+            qk_norm=GemmaRMSNorm,
+            query_scalar=config.get("query_pre_attn_scalar"),
+            sliding_window=window,
+            causal=causal,
+        )
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = Gemma3MLP(config)
+        self.mlp = GatedMLP(config, config.get("hidden_activation", "gelu_pytorch_tanh"))
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -179,12 +128,7 @@ class Gemma3Model(nn.Module):
         layers = [Gemma3DecoderLayer(config, i, w, causal) for i, w in enumerate(self.windows)]
         self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
-        attention = layers[0].self_attn  # every layer has the same sizes
-        self.num_kv_heads: int = attention.num_kv_heads
-        self.head_dim: int = attention.head_dim
-        self.q_size: int = attention.q_size
-        self.kv_size: int = attention.kv_size
-        head_dim = self.head_dim
+        head_dim = layers[0].self_attn.head_dim  # every layer has the same sizes
         rope = gemma3_rope_parameters(config)
         self.rotary = {
             kind: RotaryEmbedding(head_dim, {**config, "rope_parameters": rope[kind]})
@@ -204,97 +148,23 @@ class Gemma3Model(nn.Module):
         return self.norm(x)
 
 
-# checkpoint module -> (our fused module, shard)
-_SHARDS = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
-_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+class Gemma3Base(DecoderBase):
+    """Trunk (``self.model``) + weight loading shared by the causal LM and the encoder."""
 
-
-class Gemma3Base(nn.Module):
-    """Trunk (``self.model``) + weight loading shared by the causal LM and the encoder.
-
-    ``forward(input_ids [T], positions [T], token_type_ids=None) -> hidden [T, hidden]``.
-    """
-
-    is_causal = True
+    model: Gemma3Model
+    skipped_suffixes = ("rotary_emb.inv_freq", "embed_scale")
 
     def __init__(
         self, model_config: ModelConfig, bidirectional: bool = False, causal: bool | None = None
     ) -> None:
-        super().__init__()
-        config = model_config.hf_config
-        self.config = config
+        super().__init__(model_config.hf_config)
+        config = self.config
         self.model = Gemma3Model(config, bidirectional, causal)
         if config.get("attn_logit_softcapping") is not None:
             logger.info("attn_logit_softcapping is ignored, as transformers' Gemma 3 ignores it")
-        trunk = self.model
-        self.hidden_size: int = config["hidden_size"]
-        self.num_layers = len(trunk.layers)
-        self.num_kv_heads = trunk.num_kv_heads
-        self.head_dim = trunk.head_dim
-        self.kv_sliding_window = kv_free_window(trunk.windows)
-        q, kv, intermediate = trunk.q_size, trunk.kv_size, config["intermediate_size"]
-        self._shard_rows = {
-            "q": (0, q),
-            "k": (q, q + kv),
-            "v": (q + kv, q + 2 * kv),
-            "gate": (0, intermediate),
-            "up": (intermediate, 2 * intermediate),
-        }
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens], 0-based within each request
-        token_type_ids: torch.Tensor | None = None,  # unused: Gemma has no token types
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [num_tokens, hidden]
-
-    def _checkpoint_name(self, name: str) -> str:
-        """Our parameter name for a checkpoint name (before shard mapping)."""
-        return name
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors in; returns the names of our parameters loaded (fused shards
-        as ``"<param>[<shard>]"``). Raises on a tensor this model has no place for."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or name.endswith("embed_scale"):
-                continue
-            if name == "lm_head.weight" and name not in params:
-                continue  # tied to the embeddings
-            parts = self._checkpoint_name(name).split(".")
-            shard = None
-            if len(parts) >= 2 and parts[-2] in _SHARDS:
-                parts[-2], shard = _SHARDS[parts[-2]]
-            our_name = ".".join(parts)
-            if our_name not in params:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
-                )
-            target: torch.Tensor = params[our_name]
-            if shard is not None:
-                start, end = self._shard_rows[shard]
-                target = target[start:end]
-            copy_weight(target, tensor, name)
-            loaded.add(our_name if shard is None else f"{our_name}[{shard}]")
-        return loaded
-
-    def required_parameters(self) -> set[str]:
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            module = name.split(".")[-2]
-            if module in _FUSED:
-                names.update(f"{name}[{shard}]" for shard in _FUSED[module])
-            else:
-                names.add(name)
-        return names
+        attention = self.model.layers[0].self_attn
+        assert isinstance(attention, DecoderAttention)
+        self._set_sizes(self.model.windows, attention)
 
 
 class Gemma3ForCausalLM(Gemma3Base):

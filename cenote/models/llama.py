@@ -20,14 +20,13 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.kernels import quant_ops
-from cenote.models.layers.activation import get_activation
-from cenote.models.layers.attention import Attention
-from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
+from cenote.models.decoder_base import FUSED, DecoderBase, map_name
+from cenote.models.layers.decoder import DecoderAttention, GatedMLP
+from cenote.models.layers.linear import pack_weight, packed_linear
 from cenote.models.layers.norm import RMSNorm
-from cenote.models.layers.quant import QuantEmbedding, QuantizedWeight, QuantLinear, quant_linear
-from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
-from cenote.models.sliding_window import kv_free_window, layer_windows
-from cenote.models.weights import copy_weight
+from cenote.models.layers.quant import QuantEmbedding, QuantizedWeight, QuantLinear
+from cenote.models.layers.rotary import RotaryEmbedding
+from cenote.models.sliding_window import layer_windows
 from cenote.pooling.activation import Activation
 from cenote.pooling.methods import PoolingMethod
 
@@ -51,62 +50,6 @@ class DecoderOptions:
         return cls(attention_bias, attention_bias, bool(config.get("mlp_bias", False)), False)
 
 
-class LlamaAttention(nn.Module):
-    """Fused qkv projection, optional per-head q/k norm, RoPE, paged attention, output proj."""
-
-    def __init__(
-        self,
-        config: dict[str, Any],
-        options: DecoderOptions,
-        layer_idx: int,
-        sliding_window: int | None = None,
-    ) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
-        self.head_dim = config.get("head_dim") or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = TrunkLinear(hidden, self.q_size + 2 * self.kv_size, bias=options.qkv_bias)
-        self.o_proj = TrunkLinear(self.q_size, hidden, bias=options.o_bias)
-        self.q_norm = self.k_norm = None
-        if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.get("rms_norm_eps", 1e-6))
-            self.k_norm = RMSNorm(self.head_dim, config.get("rms_norm_eps", 1e-6))
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            self.num_kv_heads,
-            layer_idx,
-            self.head_dim**-0.5,
-            sliding_window=sliding_window,
-        )
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).flatten(1)
-            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).flatten(1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v.contiguous()))  # [num_tokens, hidden]
-
-
-class LlamaMLP(nn.Module):
-    """Gated MLP with a fused gate/up projection: ``down(act(gate) * up)``."""
-
-    def __init__(self, config: dict[str, Any], options: DecoderOptions) -> None:
-        super().__init__()
-        hidden, intermediate = config["hidden_size"], config["intermediate_size"]
-        self.gate_up_proj = TrunkLinear(hidden, 2 * intermediate, bias=options.mlp_bias)
-        self.down_proj = TrunkLinear(intermediate, hidden, bias=options.mlp_bias)
-        self.act = get_activation(config.get("hidden_act", "silu"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
@@ -120,9 +63,16 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(config["hidden_size"], eps)
-        self.self_attn = LlamaAttention(config, options, layer_idx, sliding_window)
+        self.self_attn = DecoderAttention(
+            config,
+            layer_idx,
+            qkv_bias=options.qkv_bias,
+            o_bias=options.o_bias,
+            qk_norm=RMSNorm if options.qk_norm else None,
+            sliding_window=sliding_window,
+        )
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
-        self.mlp = LlamaMLP(config, options)
+        self.mlp = GatedMLP(config, config.get("hidden_act", "silu"), options.mlp_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -192,55 +142,19 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-# checkpoint module -> (our fused module, shard)
-_SHARDS = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
-_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+class LlamaDecoder(DecoderBase):
+    """Trunk + weight loading shared by the causal-LM and classification models."""
 
-
-class LlamaDecoder(nn.Module):
-    """Trunk + weight loading shared by the causal-LM and classification models.
-
-    ``forward(input_ids [T], positions [T], token_type_ids=None) -> hidden [T, hidden]`` (final
-    norm applied). ``num_layers``, ``num_kv_heads`` and ``head_dim`` size the KV cache;
-    ``kv_sliding_window`` (set when every layer slides) lets it free blocks behind the window.
-    """
-
-    is_causal = True
+    model: LlamaModel
     variant: ClassVar[str] = "llama"
 
     def __init__(self, model_config: ModelConfig) -> None:
-        super().__init__()
-        config = model_config.hf_config
-        self.config = config
+        super().__init__(model_config.hf_config)
+        config = self.config
         self.model = LlamaModel(config, DecoderOptions.for_variant(self.variant, config))
-        self.kv_sliding_window = kv_free_window(self.model.windows)
         attention = self.model.layers[0].self_attn
-        self.hidden_size = config["hidden_size"]
-        self.num_layers = len(self.model.layers)
-        self.num_kv_heads = attention.num_kv_heads
-        self.head_dim = attention.head_dim
-        q, kv, intermediate = attention.q_size, attention.kv_size, config["intermediate_size"]
-        self._shard_rows = {
-            "q": (0, q),
-            "k": (q, q + kv),
-            "v": (q + kv, q + 2 * kv),
-            "gate": (0, intermediate),
-            "up": (intermediate, 2 * intermediate),
-        }
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens], 0-based within each request
-        token_type_ids: torch.Tensor | None = None,  # unused: decoders have no token types
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [num_tokens, hidden]
+        assert isinstance(attention, DecoderAttention)
+        self._set_sizes(self.model.windows, attention)
 
     def prepare_quantized(self, names: set[str]) -> None:
         """Called on the meta device, before weights are allocated: the linear layers and the
@@ -249,28 +163,28 @@ class LlamaDecoder(nn.Module):
         ``finish_quantized`` swaps in ``QuantLinear`` / ``QuantEmbedding``."""
         shards: dict[str, set[str | None]] = {}
         for name in names:
-            our_name, shard = self._map_name(name)
+            our_name, shard = map_name(name)
             module_name, _, leaf = our_name.rpartition(".")
             if leaf == "weight":
                 shards.setdefault(module_name, set()).add(shard)
-        self._quantized_parts: dict[str, dict[str | None, QuantizedWeight]] = {}
+        self._quantized_parts = {}
         for module_name, got in shards.items():
             try:
                 module = self.get_submodule(module_name)
             except AttributeError:
                 continue  # e.g. an lm_head this model does not have
-            expected = set(_FUSED.get(module_name.rsplit(".", 1)[-1], (None,)))
+            expected = set(FUSED.get(module_name.rsplit(".", 1)[-1], (None,)))
             if got == expected and isinstance(module, (nn.Linear, nn.Embedding)):
                 del module._parameters["weight"]
                 self._quantized_parts[module_name] = {}
 
     def finish_quantized(self, dtype: torch.dtype) -> None:
         """Swap the modules ``prepare_quantized`` emptied for their quantized versions."""
-        for module_name, parts in getattr(self, "_quantized_parts", {}).items():
+        for module_name, parts in self._quantized_parts.items():
             parent_name, _, child = module_name.rpartition(".")
             parent = self.get_submodule(parent_name) if parent_name else self
             module = getattr(parent, child)
-            order = _FUSED.get(child, (None,))
+            order = FUSED.get(child, (None,))
             if set(parts) != set(order):
                 raise ValueError(f"{module_name}: checkpoint lacks quantized shards of it")
             if isinstance(module, nn.Embedding):
@@ -280,62 +194,6 @@ class LlamaDecoder(nn.Module):
                 replacement = QuantLinear([parts[shard] for shard in order], bias)
             setattr(parent, child, replacement)
         self._quantized_parts = {}
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
-    ) -> set[str]:
-        """Copy checkpoint tensors into the module; returns the names of our parameters loaded.
-
-        Fused shards are reported as ``"<param>[<shard>]"``. Raises on a checkpoint tensor this
-        model has no place for (other than RoPE buffers and an unused ``lm_head``).
-        ``QuantizedWeight``s go to the modules ``prepare_quantized`` chose.
-        """
-        params = dict(self.named_parameters())
-        quantized = getattr(self, "_quantized_parts", {})
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            our_name, shard = self._map_name(name)
-            module_name = our_name.rpartition(".")[0]
-            if isinstance(tensor, QuantizedWeight):
-                if module_name not in quantized:
-                    if name == "lm_head.weight":
-                        continue
-                    raise ValueError(f"quantized tensor {name!r} has no quantized place here")
-                quantized[module_name][shard] = tensor
-                continue
-            if name == "lm_head.weight" and name not in params:
-                continue  # tied embeddings, or a classifier converted from a causal LM
-            if our_name not in params:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
-                )
-            target = params[our_name]
-            if shard is not None:
-                start, end = self._shard_rows[shard]
-                target = target[start:end]
-            copy_weight(target, tensor, name)
-            loaded.add(our_name if shard is None else f"{our_name}[{shard}]")
-        return loaded
-
-    @staticmethod
-    def _map_name(name: str) -> tuple[str, str | None]:
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in _SHARDS:
-            fused, shard = _SHARDS[parts[-2]]
-            return ".".join([*parts[:-2], fused, parts[-1]]), shard
-        return name, None
-
-    def required_parameters(self) -> set[str]:
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            module = name.split(".")[-2]
-            if module in _FUSED:
-                names.update(f"{name}[{shard}]" for shard in _FUSED[module])
-            else:
-                names.add(name)
-        return names
 
 
 class LlamaForCausalLM(LlamaDecoder):
@@ -350,15 +208,16 @@ class LlamaForCausalLM(LlamaDecoder):
 
     def post_load(self) -> None:
         """Prepack the LM head (tied or not) in the runtime dtype: the costliest matmul of a
-        decode step. A quantized head stays quantized."""
+        decode step. A quantized head stays quantized (a tied quantized table multiplies as a
+        ``QuantLinear`` over the same bytes)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        self._lm_head_quantized: QuantizedWeight | None = None
+        self._quant_head: QuantLinear | None = None
         self._lm_head_packed = None
         if isinstance(head, QuantEmbedding):
-            self._lm_head_quantized = head.weight_q
-        elif isinstance(head, QuantLinear) and len(head.parts) == 1:
-            self._lm_head_quantized = head.parts[0]
-        elif not isinstance(head, QuantLinear):
+            self._quant_head = QuantLinear([head.weight_q], None)
+        elif isinstance(head, QuantLinear):
+            self._quant_head = head
+        else:
             self._lm_head_packed = pack_weight(self._lm_head_weight())
 
     def _lm_head_weight(self) -> torch.Tensor:
@@ -366,11 +225,9 @@ class LlamaForCausalLM(LlamaDecoder):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 logits ``[N, vocab]`` (matmul in the model dtype)."""
-        quantized = getattr(self, "_lm_head_quantized", None)
-        if quantized is not None:
-            return quant_linear(hidden, quantized, None).float()
-        if isinstance(self.lm_head, QuantLinear):
-            return self.lm_head(hidden).float()
+        quant_head = getattr(self, "_quant_head", None)
+        if quant_head is not None:
+            return quant_head(hidden).float()
         packed = getattr(self, "_lm_head_packed", None)
         return packed_linear(hidden, self._lm_head_weight(), packed, None).float()
 
