@@ -7,6 +7,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -132,3 +133,53 @@ def test_late_interaction_maxsim_matches_numpy(tmp_path: Path) -> None:
     for document, out in zip(DOCUMENTS, outputs, strict=True):
         expected = (q @ token_vectors(document).T).max(axis=1).sum()
         assert abs(out.outputs.score - expected) < ATOL * len(q)
+
+
+class _CountingTokenizer:
+    """The model's tokenizer, counting how often each text is encoded."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.encoded: Counter[str] = Counter()
+
+    def encode(self, text, *args, **kwargs):
+        self.encoded[text] += 1
+        return self.tokenizer.encode(text, *args, **kwargs)
+
+    def encode_batch(self, texts, *args, **kwargs):
+        self.encoded.update(texts)
+        return self.tokenizer.encode_batch(texts, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+
+def _count_encodings(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> _CountingTokenizer:
+    counting = _CountingTokenizer(llm.input_processor.tokenizer)
+    monkeypatch.setattr(llm.input_processor, "tokenizer", counting)
+    monkeypatch.setattr(llm.input_processor.prompts, "tokenizer", counting)
+    return counting
+
+
+def test_score_tokenizes_each_text_once(llm_fp32, cross_llm, cross_encoder_dir, monkeypatch):
+    """Length checks and truncation read the one tokenization the requests are made of; the
+    scores are those of the embeddings (bi-encoder) and of sentence-transformers (cross)."""
+    queries = ["What is the capital of France?", "How do cats sleep?"]
+    documents = ["Paris is the capital of France.", "Cats sleep most of the day."]
+    embeddings = [out.outputs.data for out in llm_fp32.embed(queries + documents)]
+    counting = _count_encodings(llm_fp32, monkeypatch)
+    scores = [out.outputs.score for out in llm_fp32.score(queries, documents)]
+    assert counting.encoded == Counter(queries + documents)
+    expected = torch.nn.functional.cosine_similarity(
+        torch.stack(embeddings[:2]), torch.stack(embeddings[2:])
+    )
+    torch.testing.assert_close(torch.tensor(scores), expected, atol=1e-6, rtol=0)
+
+    counting = _count_encodings(cross_llm, monkeypatch)
+    outputs = cross_llm.score(QUERY, DOCUMENTS)  # 1 -> N: the query is in every pair
+    assert counting.encoded == Counter([QUERY] * len(DOCUMENTS) + DOCUMENTS)
+    expected = _predict(cross_encoder_dir, [(QUERY, d) for d in DOCUMENTS])
+    np.testing.assert_allclose([o.outputs.score for o in outputs], expected, atol=ATOL, rtol=0)
+    counting.encoded.clear()
+    cross_llm.score(QUERY, DOCUMENTS, max_tokens_per_doc=2)  # documents cut: still once
+    assert counting.encoded == Counter([QUERY] * len(DOCUMENTS) + DOCUMENTS)

@@ -35,6 +35,7 @@ class ParentRequest:
     request_id: str  # the user request's id (outputs carry it)
     prompt: str | None  # the prompt's text, when it had one (outputs echo it)
     children: list[EngineCoreRequest]  # what the engine core runs
+    truncated: bool = False  # the prompt was cut (truncation; a pair's document)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -150,14 +151,10 @@ class InputProcessor:
             **{**self._template_tokens, **variables},
         )
 
-    def truncate_text(self, text: str, max_tokens: int) -> str:
-        """``text`` cut to its first ``max_tokens`` tokens (e.g. a document before it goes into
-        a reranker's prompt template)."""
-        return self.prompts.cut_text(text, max_tokens)
-
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Tokens of each text, special tokens excluded (scoring's checks)."""
-        return self.prompts.count(texts)
+    def truncate_texts(self, texts: list[str], max_tokens: int) -> list[str]:
+        """Each text cut to its first ``max_tokens`` tokens (e.g. documents before they go into
+        a reranker's prompt template); a text that fits is returned as it is."""
+        return self.prompts.cut_texts(texts, max_tokens)
 
     # ---- 2) tokenization --------------------------------------------------------------------
 
@@ -184,9 +181,10 @@ class InputProcessor:
             is_pooling = isinstance(params, PoolingParams)
             if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
                 ids = self._check_token_ids(prompt["prompt_token_ids"], indices[i])
-                if max_length is not None and len(ids) > max_length:
+                truncated = max_length is not None and len(ids) > max_length
+                if truncated and max_length is not None:
                     ids = ids[-max_length:] if side == "left" else ids[:max_length]
-                results[i] = TokenizedPrompt(prompt.get("prompt"), ids)
+                results[i] = TokenizedPrompt(prompt.get("prompt"), ids, truncated=truncated)
                 continue
             kind, value, special = self._text_of(prompt, indices[i], add_special_tokens)
             key = (kind, max_length, side, special, is_pooling)
@@ -287,7 +285,7 @@ class InputProcessor:
                 self._request(child_id, prompt, _child_params(params, i), None, priority)
                 for i, child_id in enumerate(ids)
             ]
-        return ParentRequest(request_id, prompt.prompt, children)
+        return ParentRequest(request_id, prompt.prompt, children, prompt.truncated)
 
     def _request(
         self,

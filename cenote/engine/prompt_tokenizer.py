@@ -21,6 +21,7 @@ class TokenizedPrompt:
     prompt_token_ids: list[int]
     token_type_ids: list[int] | None = None  # segment ids (cross-encoder pairs)
     num_instruction_tokens: int = 0  # leading tokens of the prepended instruction prompt
+    truncated: bool = False  # tokens were cut (truncation; a pair's document)
 
 
 class PromptTokenizer:
@@ -63,28 +64,33 @@ class PromptTokenizer:
         encoded = self._encode(texts_in, max_length, side, add_special_tokens)
         num_instruction = self.instruction_length if is_pooling and self.default_prompt else 0
         results = []
-        for text, encoding in zip(texts, encoded, strict=True):
+        for text, (encoding, truncated) in zip(texts, encoded, strict=True):
             ids = list(encoding.ids)
             if colbert is not None:
                 ids = colbert.format(ids, role)
-            results.append(TokenizedPrompt(text, ids, num_instruction_tokens=num_instruction))
+            results.append(TokenizedPrompt(text, ids, None, num_instruction, truncated))
         return results
 
     def _encode(
         self, texts: list[str], max_length: int | None, side: str, add_special_tokens: bool
-    ) -> list[Encoding]:
+    ) -> list[tuple[Encoding, bool]]:
+        """Each text's encoding and whether it was cut to ``max_length``."""
         if max_length is None:
-            return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+            encoded = self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+            return [(e, False) for e in encoded]
         # Truncate as the tokenizer's own truncation does (the text is cut to leave room for the
         # special tokens), without toggling the shared tokenizer: safe from several threads.
         room = max_length
         if add_special_tokens:
             room = max(max_length - self.tokenizer.num_special_tokens_to_add(is_pair=False), 0)
-        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
-        for encoding in encoded:
-            if len(encoding.ids) > room:
+        results = []
+        for encoding in self.tokenizer.encode_batch(texts, add_special_tokens=False):
+            truncated = len(encoding.ids) > room
+            if truncated:
                 encoding.truncate(room, direction=side)
-        return [self.tokenizer.post_process(e, None, add_special_tokens) for e in encoded]
+            processed = self.tokenizer.post_process(encoding, None, add_special_tokens)
+            results.append((processed, truncated))
+        return results
 
     def pairs(
         self,
@@ -113,21 +119,22 @@ class PromptTokenizer:
                         "cut, queries are not"
                     )
                 doc_budget = min(doc_budget, room)
-            if doc_budget < len(document.ids):
+            truncated = doc_budget < len(document.ids)
+            if truncated:
                 document.truncate(doc_budget)
             pair = self.tokenizer.post_process(query, document, add_special_tokens=True)
             token_types = list(pair.type_ids) if self.uses_token_type_ids else None
-            results.append(TokenizedPrompt(None, list(pair.ids), token_types))
+            results.append(TokenizedPrompt(None, list(pair.ids), token_types, truncated=truncated))
         return results
 
-    def cut_text(self, text: str, max_tokens: int) -> str:
-        """``text`` cut to its first ``max_tokens`` tokens (no special tokens)."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return text if len(ids) <= max_tokens else self.tokenizer.decode(ids[:max_tokens])
-
-    def count(self, texts: list[str]) -> list[int]:
-        """Tokens of each text, special tokens excluded."""
-        return [len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    def cut_texts(self, texts: list[str], max_tokens: int) -> list[str]:
+        """Each text cut to its first ``max_tokens`` tokens (no special tokens); a text that
+        fits is returned as it is (the same object)."""
+        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [
+            text if len(e.ids) <= max_tokens else self.tokenizer.decode(e.ids[:max_tokens])
+            for text, e in zip(texts, encoded, strict=True)
+        ]
 
     @cached_property
     def instruction_length(self) -> int:

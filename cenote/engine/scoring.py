@@ -197,6 +197,8 @@ class _Planner:
     def _requests(
         self, prompts: Sequence[PromptType], params: PoolingParams, first: int, **options: Any
     ) -> list[ParentRequest]:
+        """The requests of ``prompts``, tokenized once; the processor refuses a prompt too long
+        for the model, named by ``options``' label and index ("document 3 has 302 tokens")."""
         ids = [f"{self.request_id}-{first + i}" for i in range(len(prompts))]
         return self.processor.process_batch(ids, prompts, params, priority=self.priority, **options)
 
@@ -212,22 +214,23 @@ class _Planner:
             )
         params = self.params.with_task("classify")
         template = score_template(processor.model_config.hf_config)
-        num_cut = 0
         if template is None:
             if self.fit_documents and params.truncate_prompt_tokens is None:
                 params = dataclasses.replace(params, truncate_prompt_tokens=-1)
-            num_cut = _check_pairs(
-                processor, pairs, params.truncate_prompt_tokens, self.max_tokens_per_doc
-            )
             prompts: list[PromptType] = [{"text": q, "text_pair": d} for q, d in pairs]
             requests = self._requests(
-                prompts, params, 0, max_tokens_per_doc=self.max_tokens_per_doc
+                prompts, params, 0, max_tokens_per_doc=self.max_tokens_per_doc, label="pair"
             )
+            num_cut = sum(request.truncated for request in requests)
         else:
+            num_cut = 0
             if self.max_tokens_per_doc is not None:
-                limit = self.max_tokens_per_doc
-                pairs = [(q, processor.truncate_text(d, limit)) for q, d in pairs]
-            requests = self._requests(render_pairs(template, pairs, instruction), params, 0)
+                documents = [d for _, d in pairs]
+                cut = processor.truncate_texts(documents, self.max_tokens_per_doc)
+                num_cut = sum(c is not d for c, d in zip(cut, documents, strict=True))
+                pairs = [(q, d) for (q, _), d in zip(pairs, cut, strict=True)]
+            rendered = render_pairs(template, pairs, instruction)
+            requests = self._requests(rendered, params, 0, label="pair")
         rows = list(range(len(requests)))
         return ScorePlan(requests, rows, None, num_truncated_documents=num_cut)
 
@@ -248,89 +251,30 @@ class _Planner:
                 doc_truncate = min(truncate, doc_truncate)
         if self.fit_documents and doc_truncate is None:
             doc_truncate = -1
-        num_cut = _check_texts(processor, pairs, truncate, doc_truncate)
         side = self.params.truncation_side
         query_params = PoolingParams(
             task=task, truncate_prompt_tokens=truncate, truncation_side=side
         )
         document_params = dataclasses.replace(query_params, truncate_prompt_tokens=doc_truncate)
-        # 1) distinct queries (1 -> N embeds the query once)  2) documents after them
-        query_index: dict[str, int] = {}
-        for query, _ in pairs:
-            query_index.setdefault(query, len(query_index))
-        queries = self._requests(list(query_index), query_params, 0, role="query", label="query")
+        # 1) distinct queries (1 -> N embeds the query once), named by their first pair
+        first_pair: dict[str, int] = {}
+        for j, (query, _) in enumerate(pairs):
+            first_pair.setdefault(query, j)
+        queries = self._requests(
+            list(first_pair), query_params, 0, role="query", label="query",
+            indices=list(first_pair.values()),
+        )  # fmt: skip
+        # 2) documents after them
         documents = self._requests(
             [d for _, d in pairs], document_params, len(queries), role="document",
             label="document",
         )  # fmt: skip
+        query_rows = {query: row for row, query in enumerate(first_pair)}
         return ScorePlan(
             requests=queries + documents,
-            query_rows=[query_index[q] for q, _ in pairs],
+            query_rows=[query_rows[q] for q, _ in pairs],
             document_rows=[len(queries) + i for i in range(len(pairs))],
             late_interaction=score_type == "late_interaction",
             sparse=score_type == "sparse",
-            num_truncated_documents=num_cut,
+            num_truncated_documents=sum(document.truncated for document in documents),
         )
-
-
-def _limit(processor: InputProcessor, truncate_prompt_tokens: int | None) -> int:
-    limit = processor.model_config.max_model_len
-    return limit if truncate_prompt_tokens in (None, -1) else min(truncate_prompt_tokens, limit)
-
-
-def _too_long(what: str, num_tokens: int, limit: int) -> InvalidInputError:
-    return InvalidInputError(
-        f"{what} has {num_tokens} tokens, but the model's limit (max_model_len) is {limit}; pass "
-        f"truncate_prompt_tokens=-1 (or max_tokens_per_doc) to cut documents to fit"
-    )
-
-
-def _check_pairs(
-    processor: InputProcessor,
-    pairs: list[tuple[str, str]],
-    truncate_prompt_tokens: int | None,
-    max_tokens_per_doc: int | None,
-) -> int:
-    """Cross-encoder pairs: a pair too long without truncation names its document; returns the
-    number of documents that will be cut."""
-    limit = _limit(processor, truncate_prompt_tokens)
-    num_special = processor.tokenizer.num_special_tokens_to_add(is_pair=True)
-    query_lens = processor.count_tokens([q for q, _ in pairs])
-    document_lens = processor.count_tokens([d for _, d in pairs])
-    num_cut = 0
-    for j, (query_len, document_len) in enumerate(zip(query_lens, document_lens, strict=True)):
-        budget = (
-            document_len if max_tokens_per_doc is None else min(document_len, max_tokens_per_doc)
-        )
-        total = query_len + budget + num_special
-        if truncate_prompt_tokens is None and total > limit:
-            raise _too_long(f"document {j} (with the query)", total, limit)
-        num_cut += budget < document_len or total > limit
-    return num_cut
-
-
-def _check_texts(
-    processor: InputProcessor,
-    pairs: list[tuple[str, str]],
-    query_truncate: int | None,
-    document_truncate: int | None,
-) -> int:
-    """Bi-encoder inputs: a text too long without truncation is named (``query 0``,
-    ``document 3``); returns the number of documents that will be cut."""
-    num_special = processor.tokenizer.num_special_tokens_to_add(is_pair=False)
-    limit = processor.model_config.max_model_len
-    if query_truncate is None:
-        first_pair: dict[str, int] = {}
-        for j, (query, _) in enumerate(pairs):
-            first_pair.setdefault(query, j)
-        lengths = processor.count_tokens(list(first_pair))
-        for query, length in zip(first_pair, lengths, strict=True):
-            if length + num_special > limit:
-                raise _too_long(f"query {first_pair[query]}", length + num_special, limit)
-    document_limit = _limit(processor, document_truncate)
-    lengths = [n + num_special for n in processor.count_tokens([d for _, d in pairs])]
-    if document_truncate is None:
-        for j, length in enumerate(lengths):
-            if length > limit:
-                raise _too_long(f"document {j}", length, limit)
-    return sum(length > document_limit for length in lengths)
