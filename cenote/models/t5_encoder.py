@@ -9,7 +9,6 @@ sentence-transformers puts mean pooling and a Dense projection after it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +20,7 @@ from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.linear import TrunkLinear
 from cenote.models.layers.norm import RMSNorm
+from cenote.models.layers.relative_position import RelativePositionBias
 from cenote.models.weights import load_by_name
 
 
@@ -37,24 +37,6 @@ def feed_forward(config: dict[str, Any]) -> tuple[str, bool]:
         name = "gelu_new"  # as transformers' T5Config
     get_activation(name)  # refuses an unknown activation with the supported list
     return name, len(parts) == 2
-
-
-def relative_position_bucket(
-    relative_position: torch.Tensor, num_buckets: int, max_distance: int
-) -> torch.Tensor:
-    """Bidirectional T5 buckets of ``key - query`` distances (as Mesh TensorFlow)."""
-    num_buckets //= 2
-    buckets = (relative_position > 0).to(torch.long) * num_buckets
-    distance = relative_position.abs()
-    max_exact = num_buckets // 2
-    is_small = distance < max_exact
-    large = max_exact + (
-        torch.log(distance.float() / max_exact)
-        / math.log(max_distance / max_exact)
-        * (num_buckets - max_exact)
-    ).to(torch.long)
-    large = torch.clamp(large, max=num_buckets - 1)
-    return buckets + torch.where(is_small, distance, large)
 
 
 class T5Layer(nn.Module):
@@ -113,20 +95,14 @@ class T5EncoderModel(nn.Module):
         config = model_config.hf_config
         self.config = config
         self.hidden_size = config["d_model"]
-        self.num_buckets = int(config.get("relative_attention_num_buckets", 32))
-        self.max_distance = int(config.get("relative_attention_max_distance", 128))
+        num_buckets = int(config.get("relative_attention_num_buckets", 32))
+        max_distance = int(config.get("relative_attention_max_distance", 128))
         self.embed_tokens = nn.Embedding(config["vocab_size"], self.hidden_size)
-        self.relative_attention_bias = nn.Embedding(self.num_buckets, config["num_heads"])
+        self.relative_attention_bias = RelativePositionBias(
+            num_buckets, config["num_heads"], num_buckets, max_distance
+        )
         self.layers = nn.ModuleList(T5Layer(config, i) for i in range(config["num_layers"]))
         self.final_layer_norm = RMSNorm(self.hidden_size, config.get("layer_norm_epsilon", 1e-6))
-
-    def position_bias(self, length: int) -> torch.Tensor:
-        """[heads, length, length] fp32 bias of a request of ``length`` tokens."""
-        positions = torch.arange(length)
-        buckets = relative_position_bucket(
-            positions[None, :] - positions[:, None], self.num_buckets, self.max_distance
-        )
-        return self.relative_attention_bias(buckets).permute(2, 0, 1).float()
 
     def forward(
         self,
@@ -135,13 +111,7 @@ class T5EncoderModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,  # unused: T5 has no token types
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        biases: dict[int, torch.Tensor] = {}
-
-        def mask_fn(rows: slice, num_requests: int, length: int) -> torch.Tensor:
-            if length not in biases:
-                biases[length] = self.position_bias(length).to(x.dtype)
-            return biases[length]  # [heads, length, length], the same for every layer
-
+        mask_fn = self.relative_attention_bias.mask_fn(x.dtype)  # the same for every layer
         for layer in self.layers:
             x = layer(x, mask_fn)
         return self.final_layer_norm(x)  # [num_tokens, d_model]
