@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch
@@ -131,6 +131,16 @@ class GGUFCheckpoint:
     def __reduce__(self) -> tuple[Any, tuple[Path]]:
         """Pickled as its path: another process (the engine core) re-opens the file."""
         return load_gguf, (self.path,)
+
+    @overload
+    def tensors(
+        self, dtype: torch.dtype = ..., *, keep_quantized: Literal[False] = ...
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    @overload
+    def tensors(
+        self, dtype: torch.dtype = ..., *, keep_quantized: bool
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]: ...
 
     def tensors(
         self, dtype: torch.dtype = torch.float32, *, keep_quantized: bool = False

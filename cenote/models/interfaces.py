@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from cenote.models.layers.quant import QuantizedWeight
     from cenote.pooling.activation import Activation
     from cenote.pooling.methods import PoolingMethod
 
@@ -118,5 +119,9 @@ class QuantizedLoading(Protocol):
     ``finish_quantized`` swaps in the quantized modules."""
 
     def prepare_quantized(self, names: set[str]) -> None: ...
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+    ) -> set[str]: ...
 
     def finish_quantized(self, dtype: torch.dtype) -> None: ...

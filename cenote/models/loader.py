@@ -13,9 +13,9 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.kernels import quant_ops
-from cenote.models.interfaces import PostLoad, QuantizedLoading
+from cenote.models.interfaces import Model, PostLoad, QuantizedLoading
 from cenote.models.layers.linear import prepack_trunk
-from cenote.models.layers.quant import QuantizedWeight, quantize_trunk
+from cenote.models.layers.quant import quantize_trunk
 from cenote.models.registry import load_model_class
 
 logger = logging.getLogger(__name__)
@@ -47,13 +47,11 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def model_weights(
-    model_config: ModelConfig, *, keep_quantized: bool = False
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """(Hugging Face name, tensor) pairs of a folder's safetensors or a GGUF file (dequantized,
-    or with ``keep_quantized`` its quantized tensors as ``QuantizedWeight``s)."""
+def model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) pairs of a folder's safetensors or a GGUF file (dequantized;
+    ``GGUFCheckpoint.tensors(keep_quantized=True)`` keeps its quantized tensors)."""
     if model_config.gguf is not None:
-        return model_config.gguf.tensors(torch.float32, keep_quantized=keep_quantized)
+        return model_config.gguf.tensors(torch.float32)
     return iterate_weights(model_config.path)
 
 
@@ -66,12 +64,20 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     model_class = load_model_class(model_config.architecture)
     with torch.device("meta"):
         model = model_class(model_config)
+    if not isinstance(model, Model):
+        raise TypeError(
+            f"{type(model).__name__} does not declare the Model contract "
+            "(cenote/models/interfaces.py)"
+        )
     method = _quantization(model_config, model)
     if method == "gguf":
         assert model_config.gguf is not None and isinstance(model, QuantizedLoading)
         model.prepare_quantized(model_config.gguf.quantized_names())
-    model = model.to_empty(device="cpu")
-    loaded = model.load_weights(model_weights(model_config, keep_quantized=method == "gguf"))
+        model = model.to_empty(device="cpu")
+        loaded = model.load_weights(model_config.gguf.tensors(torch.float32, keep_quantized=True))
+    else:
+        model = model.to_empty(device="cpu")
+        loaded = model.load_weights(model_weights(model_config))
     missing = model.required_parameters() - loaded
     if missing:
         raise ValueError(
