@@ -28,71 +28,75 @@ _ENCODER_TASKS: tuple[SupportedTask, ...] = ("embed", "token_embed")
 _DECODER_TASKS: tuple[SupportedTask, ...] = ("generate", "embed", "token_embed", "token_classify")
 _SEQ_CLS_TASKS: tuple[SupportedTask, ...] = ("classify", "token_classify")
 
-_REGISTRY: dict[str, ModelEntry] = {
-    "BertModel": ModelEntry("bert", "BertModel", False, _ENCODER_TASKS),
-    "RobertaModel": ModelEntry("bert", "RobertaModel", False, _ENCODER_TASKS),
-    "XLMRobertaModel": ModelEntry("bert", "RobertaModel", False, _ENCODER_TASKS),
-    "BertForSequenceClassification": ModelEntry(
-        "bert_classifiers", "BertForSequenceClassification", False, ("classify",)
-    ),
-    "RobertaForSequenceClassification": ModelEntry(
-        "bert_classifiers", "RobertaForSequenceClassification", False, ("classify",)
-    ),
-    "XLMRobertaForSequenceClassification": ModelEntry(
-        "bert_classifiers", "RobertaForSequenceClassification", False, ("classify",)
-    ),
-    "BertForTokenClassification": ModelEntry(
-        "bert_classifiers", "BertForTokenClassification", False, ("token_classify",)
-    ),
-    "MPNetModel": ModelEntry("mpnet", "MPNetModel", False, _ENCODER_TASKS),
-    "MPNetForSequenceClassification": ModelEntry(
-        "mpnet", "MPNetForSequenceClassification", False, ("classify",)
-    ),
-    "DistilBertModel": ModelEntry("distilbert", "DistilBertModel", False, _ENCODER_TASKS),
-    "DistilBertForSequenceClassification": ModelEntry(
-        "distilbert", "DistilBertForSequenceClassification", False, ("classify",)
-    ),
+# (is_causal, tasks) -> {architecture: (module, class)}
+_TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]] = {
+    (False, _ENCODER_TASKS): {
+        "BertModel": ("bert", "BertModel"),
+        "RobertaModel": ("bert", "RobertaModel"),
+        "XLMRobertaModel": ("bert", "RobertaModel"),
+        "MPNetModel": ("mpnet", "MPNetModel"),
+        "DistilBertModel": ("distilbert", "DistilBertModel"),
+        "ModernBertModel": ("modernbert", "ModernBertModel"),
+        "NomicBertModel": ("nomic_bert", "NomicBertModel"),
+        "T5EncoderModel": ("t5_encoder", "T5EncoderModel"),
+        "MT5EncoderModel": ("t5_encoder", "T5EncoderModel"),
+        # EmbeddingGemma: the Gemma 3 trunk as a (bidirectional) encoder
+        "Gemma3TextModel": ("gemma3", "Gemma3TextModel"),
+    },
+    (False, ("classify",)): {
+        "BertForSequenceClassification": ("bert_classifiers", "BertForSequenceClassification"),
+        "RobertaForSequenceClassification": (
+            "bert_classifiers",
+            "RobertaForSequenceClassification",
+        ),
+        "XLMRobertaForSequenceClassification": (
+            "bert_classifiers",
+            "RobertaForSequenceClassification",
+        ),
+        "MPNetForSequenceClassification": ("mpnet", "MPNetForSequenceClassification"),
+        "DistilBertForSequenceClassification": (
+            "distilbert",
+            "DistilBertForSequenceClassification",
+        ),
+        "ModernBertForSequenceClassification": (
+            "modernbert",
+            "ModernBertForSequenceClassification",
+        ),
+    },
+    (False, ("token_classify",)): {
+        "BertForTokenClassification": ("bert_classifiers", "BertForTokenClassification"),
+    },
     # masked LMs serve sparse (SPLADE) embeddings over their vocabulary logits
-    "BertForMaskedLM": ModelEntry("masked_lm", "BertForMaskedLM", False, ("embed_sparse",)),
-    "DistilBertForMaskedLM": ModelEntry(
-        "distilbert", "DistilBertForMaskedLM", False, ("embed_sparse",)
-    ),
-    "ModernBertModel": ModelEntry("modernbert", "ModernBertModel", False, _ENCODER_TASKS),
-    "ModernBertForSequenceClassification": ModelEntry(
-        "modernbert", "ModernBertForSequenceClassification", False, ("classify",)
-    ),
-    "NomicBertModel": ModelEntry("nomic_bert", "NomicBertModel", False, _ENCODER_TASKS),
-    "T5EncoderModel": ModelEntry("t5_encoder", "T5EncoderModel", False, _ENCODER_TASKS),
-    "MT5EncoderModel": ModelEntry("t5_encoder", "T5EncoderModel", False, _ENCODER_TASKS),
+    (False, ("embed_sparse",)): {
+        "BertForMaskedLM": ("masked_lm", "BertForMaskedLM"),
+        "DistilBertForMaskedLM": ("distilbert", "DistilBertForMaskedLM"),
+    },
     # colbert-ai checkpoints: BERT + linear, token vectors for late interaction (MaxSim)
-    "HF_ColBERT": ModelEntry("colbert", "HFColBERT", False, ("token_embed",)),
-    "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
-    "Gemma3ForCausalLM": ModelEntry("gemma3", "Gemma3ForCausalLM", True, _DECODER_TASKS),
-    # EmbeddingGemma: the Gemma 3 trunk as a (bidirectional) encoder
-    "Gemma3TextModel": ModelEntry("gemma3", "Gemma3TextModel", False, _ENCODER_TASKS),
-    "MistralForCausalLM": ModelEntry("llama", "LlamaForCausalLM", True, _DECODER_TASKS),
-    "Qwen2ForCausalLM": ModelEntry("llama", "Qwen2ForCausalLM", True, _DECODER_TASKS),
-    "Qwen3ForCausalLM": ModelEntry("llama", "Qwen3ForCausalLM", True, _DECODER_TASKS),
-    "LlamaForSequenceClassification": ModelEntry(
-        "llama", "LlamaForSequenceClassification", True, _SEQ_CLS_TASKS
-    ),
-    "MistralForSequenceClassification": ModelEntry(
-        "llama", "LlamaForSequenceClassification", True, _SEQ_CLS_TASKS
-    ),
-    "Qwen2ForSequenceClassification": ModelEntry(
-        "llama", "Qwen2ForSequenceClassification", True, _SEQ_CLS_TASKS
-    ),
-    "Qwen3ForSequenceClassification": ModelEntry(
-        "llama", "Qwen3ForSequenceClassification", True, _SEQ_CLS_TASKS
-    ),
-    # reward per token (ALL) or per prompt (last token)
-    "Qwen2ForRewardModel": ModelEntry(
-        "qwen2_reward", "Qwen2ForRewardModel", True, ("classify", "token_classify")
-    ),
+    (False, ("token_embed",)): {"HF_ColBERT": ("colbert", "HFColBERT")},
+    (True, _DECODER_TASKS): {
+        "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+        "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+        "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+        "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+        "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    },
+    (True, _SEQ_CLS_TASKS): {
+        "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+        "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+        "Qwen2ForSequenceClassification": ("llama", "Qwen2ForSequenceClassification"),
+        "Qwen3ForSequenceClassification": ("llama", "Qwen3ForSequenceClassification"),
+        # reward per token (ALL) or per prompt (last token)
+        "Qwen2ForRewardModel": ("qwen2_reward", "Qwen2ForRewardModel"),
+    },
     # process reward at the step tags (STEP)
-    "Qwen2ForProcessRewardModel": ModelEntry(
-        "qwen2_reward", "Qwen2ForProcessRewardModel", True, ("token_classify",)
-    ),
+    (True, ("token_classify",)): {
+        "Qwen2ForProcessRewardModel": ("qwen2_reward", "Qwen2ForProcessRewardModel"),
+    },
+}
+_REGISTRY: dict[str, ModelEntry] = {
+    architecture: ModelEntry(module, class_name, is_causal, tasks)
+    for (is_causal, tasks), table in _TABLES.items()
+    for architecture, (module, class_name) in table.items()
 }
 
 
