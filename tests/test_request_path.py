@@ -13,6 +13,7 @@ from factories.decoders import make_decoder
 from factories.generation import make_llm, random_prompts, token_prompts
 
 from cenote import PoolingParams, SamplingParams
+from cenote.engine.input_processor import InputProcessor
 from cenote.errors import (
     CenoteError,
     EngineDeadError,
@@ -120,6 +121,25 @@ def test_pair_prompts_carry_segment_ids(llm_fp32) -> None:
 def test_bad_input_is_refused_with_cenotes_own_errors(llm, prompt, params, error, message):
     with pytest.raises(error, match=message):
         llm.input_processor.process("bad", prompt, params)
+
+
+def test_max_input_chars_holds_every_text_chats_once_rendered(llm) -> None:
+    """The server's --max-input-chars: plain texts, and chat prompts as the template renders
+    them (here one character longer than the message), are refused before tokenization."""
+    ip = llm.input_processor
+    processor = InputProcessor(ip.model_config, ip.tokenizer, ip.capabilities, max_input_chars=5)
+    params = SamplingParams(max_tokens=1)
+    assert processor.process("ok", "w5 w6", params).prompt == "w5 w6"
+    with pytest.raises(
+        InvalidInputError, match="prompt 0 has 6 characters, more than the limit of 5"
+    ):
+        processor.process("long", "w5 w60", params)
+    chat = {"messages": [{"role": "user", "content": "w5 w6"}], "chat_template": TEMPLATE}
+    with pytest.raises(InvalidInputError, match=r"prompt 0 \(rendered\) has 6 characters"):
+        processor.process("chat", chat, params)
+    pair = {"text": "w5", "text_pair": "w6 w7 w8"}
+    with pytest.raises(InvalidInputError, match="prompt 0's text_pair has 8 characters"):
+        processor.process("pair", pair, PoolingParams(task="embed"))
 
 
 # ---- output kinds -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -234,3 +235,29 @@ def test_echo_of_token_ids_keeps_their_special_tokens(gen):
     response = gen.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"].startswith("<|im_start|>user")
+
+
+@pytest.mark.parametrize("route", ["/v1/embeddings", "/pooling", "/v1/chat/completions"])
+def test_a_chat_over_max_input_chars_once_rendered_is_400(gen, route):
+    """--max-input-chars (default 1 MiB) holds chat messages as the template renders them: a
+    message just under the limit is over it once SmolLM2's template wraps it."""
+    limit = 1 << 20
+    content = "a" * (limit - 4)
+    body: dict = {"messages": [{"role": "user", "content": content}]}
+    if route == "/v1/chat/completions":
+        body["max_tokens"] = 1
+    message = _error(gen.post(route, json=body), 400)
+    match = re.fullmatch(
+        rf"prompt 0 \(rendered\) has (\d+) characters, more than the limit of {limit} "
+        r"\(max_input_chars\)",
+        message,
+    )
+    assert match and int(match.group(1)) > limit, message
+
+
+def test_a_text_over_max_input_chars_is_400(emb):
+    limit = 1 << 20
+    body = {"input": ["a cat", "a" * (limit + 1)]}
+    message = _error(emb.post("/v1/embeddings", json=body), 400)
+    expected = f"prompt 1 has {limit + 1} characters, more than the limit of {limit}"
+    assert message == f"{expected} (max_input_chars)"

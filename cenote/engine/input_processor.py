@@ -55,6 +55,7 @@ class InputProcessor:
         tokenizer: Tokenizer,
         capabilities: ModelCapabilities,
         chat_template: str | None = None,  # None: the model's own
+        max_input_chars: int | None = None,  # longer texts (chats once rendered) are refused
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -62,6 +63,7 @@ class InputProcessor:
         self.validator = ParamsValidator(model_config, capabilities)
         self.prompts = PromptTokenizer(model_config, tokenizer, capabilities.uses_token_type_ids)
         self.chat_template = chat_template or load_chat_template(model_config)
+        self.max_input_chars = max_input_chars
         self._template_tokens = special_token_variables(tokenizer, model_config.hf_config)
 
     @property
@@ -117,7 +119,7 @@ class InputProcessor:
             raise InvalidInputError(f"priority must be a 64-bit signed integer, got {priority}")
         # 2) prompts -> token ids
         tokenized = self._tokenize(
-            prompts, params_list, add_special_tokens, role, indices, max_tokens_per_doc
+            prompts, params_list, add_special_tokens, role, indices, label, max_tokens_per_doc
         )
         # 3) lengths; generation: max_tokens resolved, prompt + max_tokens fit the context
         for i, (tok, p) in enumerate(zip(tokenized, params_list, strict=True)):
@@ -165,6 +167,7 @@ class InputProcessor:
         add_special_tokens: bool | None,
         role: TextRole,
         indices: list[int],
+        label: str,
         max_tokens_per_doc: int | None,
     ) -> list[TokenizedPrompt]:
         """Token ids of every prompt: given ids are checked and cut; texts and pairs go through
@@ -186,7 +189,7 @@ class InputProcessor:
                     ids = ids[-max_length:] if side == "left" else ids[:max_length]
                 results[i] = TokenizedPrompt(prompt.get("prompt"), ids, truncated=truncated)
                 continue
-            kind, value, special = self._text_of(prompt, indices[i], add_special_tokens)
+            kind, value, special = self._text_of(prompt, indices[i], label, add_special_tokens)
             key = (kind, max_length, side, special, is_pooling)
             groups.setdefault(key, []).append((i, value))
         for (kind, max_length, side, special, is_pooling), items in groups.items():
@@ -201,24 +204,38 @@ class InputProcessor:
         return results  # type: ignore[return-value]
 
     def _text_of(
-        self, prompt: Any, index: int, add_special_tokens: bool | None
+        self, prompt: Any, index: int, label: str, add_special_tokens: bool | None
     ) -> tuple[str, Any, bool]:
         """(kind "text" | "pair", the text or (text, text_pair), whether to add special
-        tokens) of a prompt that is not token ids; chat prompts are rendered here."""
+        tokens) of a prompt that is not token ids; chat prompts are rendered here. Every text
+        is held to ``max_input_chars`` before it is tokenized."""
         if isinstance(prompt, str):
-            return "text", prompt, add_special_tokens is not False
+            return "text", self._check_chars(prompt, label, index), add_special_tokens is not False
         if isinstance(prompt, dict):
             if isinstance(prompt.get("prompt"), str):
-                return "text", prompt["prompt"], add_special_tokens is not False
+                text = self._check_chars(prompt["prompt"], label, index)
+                return "text", text, add_special_tokens is not False
             if "messages" in prompt:
-                return "text", self.render_chat(prompt), bool(add_special_tokens)
+                text = self._check_chars(self.render_chat(prompt), label, index, " (rendered)")
+                return "text", text, bool(add_special_tokens)
             if isinstance(prompt.get("text"), str) and isinstance(prompt.get("text_pair"), str):
-                return "pair", (prompt["text"], prompt["text_pair"]), True
+                text = self._check_chars(prompt["text"], label, index, "'s text")
+                text_pair = self._check_chars(prompt["text_pair"], label, index, "'s text_pair")
+                return "pair", (text, text_pair), True
         raise InvalidInputTypeError(
             f"prompt {index} is a {type(prompt).__name__}; expected a string or a dict with "
             "'prompt' (text), 'prompt_token_ids' (list of ints), 'messages' (chat) or "
             "'text' and 'text_pair' (a cross-encoder pair)"
         )
+
+    def _check_chars(self, text: str, label: str, index: int, part: str = "") -> str:
+        limit = self.max_input_chars
+        if limit is not None and len(text) > limit:
+            raise InvalidInputError(
+                f"{label} {index}{part} has {len(text)} characters, more than the limit of "
+                f"{limit} (max_input_chars)"
+            )
+        return text
 
     def _check_token_ids(self, ids: Any, index: int) -> list[int]:
         if not isinstance(ids, list | tuple) or not all(

@@ -151,8 +151,9 @@ class ServerState:
     async def start(self) -> None:
         capabilities = await self.client.start()
         self.input_processor = InputProcessor(
-            self.model_config, self.tokenizer, capabilities, self.options.chat_template
-        )
+            self.model_config, self.tokenizer, capabilities, self.options.chat_template,
+            max_input_chars=self.options.max_input_chars,
+        )  # fmt: skip
 
     def _on_dead(self, reason: str) -> None:
         if self.on_engine_dead is not None:
@@ -196,18 +197,13 @@ class ServerState:
             )
 
     def check_prompts(self, prompts: list[PromptType]) -> None:
-        """At most ``max_inputs`` inputs of at most ``max_input_chars`` characters each."""
-        limit, char_limit = self.options.max_inputs, self.options.max_input_chars
+        """At most ``max_inputs`` inputs (the input processor holds each text, chats once
+        rendered, to ``max_input_chars``)."""
+        limit = self.options.max_inputs
         if len(prompts) > limit:
             raise BadRequest(
                 f"got {len(prompts)} inputs, the limit per request is {limit}", param="input"
             )
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str) and len(prompt) > char_limit:
-                raise BadRequest(
-                    f"input {i} has {len(prompt)} characters, the limit is {char_limit}",
-                    param="input",
-                )
 
     def check_texts(self, texts: list[str], param: str) -> None:
         """Scoring inputs: at most ``max_inputs`` texts of at most ``max_input_chars`` each."""
