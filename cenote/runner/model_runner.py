@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -15,6 +17,20 @@ from cenote.runner.output import ModelRunnerOutput
 from cenote.sampling.metadata import SamplingMetadata, SamplingRow, make_generator
 from cenote.sampling.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step's trunk pass, as each branch reads it."""
+
+    scheduled: list[ScheduledRequest]  # [num_requests] in batch order
+    batch: InputBatch
+    hidden: torch.Tensor  # [num_tokens, hidden]
+
+    def rows(self, i: int) -> slice:
+        """The rows of the ``i``-th request's new tokens."""
+        end = self.batch.row_ends[i]
+        return slice(end - self.scheduled[i].num_tokens, end)
 
 
 class ModelRunner:
@@ -54,26 +70,24 @@ class ModelRunner:
         batch = build_input_batch(scheduled, self.block_size, self.kv_caches)
         with forward_context(batch.attention):
             hidden = self.model(batch.input_ids, batch.positions, batch.token_type_ids)
+        step = _Step(scheduled, batch, hidden)
         # 3) branch once per row: pool finished prompts, sample at the end of known tokens
-        output.pooler_output = self._pool(scheduled, batch, hidden)
+        output.pooler_output = self._pool(step)
         if self.sampler is not None:
-            self._sample(scheduled, batch, hidden, output)
-            self._prompt_logprobs(scheduled, batch, hidden, output)
+            self._sample(step, output)
+            self._prompt_logprobs(step, output)
         return output
 
     # ---- pooling branch ---------------------------------------------------------------------
 
-    def _pool(
-        self, scheduled: list[ScheduledRequest], batch: InputBatch, hidden: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _pool(self, step: _Step) -> dict[str, torch.Tensor]:
         rows, params, prompts, start_loc, ids = [], [], [], [0], []
         whole_batch = True  # every row of the step is a whole pooled prompt, in order
-        for i, s in enumerate(scheduled):
+        for i, s in enumerate(step.scheduled):
             if s.pooling_params is None:
                 whole_batch = False
                 continue
-            start = batch.row_ends[i] - s.num_tokens
-            chunk = hidden[start : batch.row_ends[i]]  # [num_tokens, hidden]
+            chunk = step.hidden[step.rows(i)]  # [num_tokens, hidden]
             if not s.completes_prompt:
                 self._partial_hidden.setdefault(s.request_id, []).append(chunk.clone())
                 whole_batch = False
@@ -88,7 +102,7 @@ class ModelRunner:
             ids.append(s.request_id)
         if not ids:
             return {}
-        pooled_hidden = hidden if whole_batch else torch.cat(rows)
+        pooled_hidden = step.hidden if whole_batch else torch.cat(rows)
         metadata = PoolingMetadata(
             start_loc=start_loc, pooling_params=params, prompt_token_ids=prompts
         )
@@ -97,18 +111,13 @@ class ModelRunner:
 
     # ---- sampling branch --------------------------------------------------------------------
 
-    def _sample(
-        self,
-        scheduled: list[ScheduledRequest],
-        batch: InputBatch,
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
+    def _sample(self, step: _Step, output: ModelRunnerOutput) -> None:
+        scheduled = step.scheduled
         indices = [i for i, s in enumerate(scheduled) if s.needs_sample]
         if not indices:
             return
-        last_rows = torch.tensor([batch.row_ends[i] - 1 for i in indices])
-        logits = self.model.compute_logits(hidden[last_rows])  # [num_rows, vocab]
+        last_rows = torch.tensor([step.batch.row_ends[i] - 1 for i in indices])
+        logits = self.model.compute_logits(step.hidden[last_rows])  # [num_rows, vocab]
         rows = [self._sampling_row(scheduled[i]) for i in indices]
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
         result = self.sampler(logits, metadata)
@@ -135,15 +144,9 @@ class ModelRunner:
                 masked.append(s.eos_token_id)
         return SamplingRow(params, s.prompt_token_ids, s.output_token_ids, generator, masked)
 
-    def _prompt_logprobs(
-        self,
-        scheduled: list[ScheduledRequest],
-        batch: InputBatch,
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
+    def _prompt_logprobs(self, step: _Step, output: ModelRunnerOutput) -> None:
         """Logprobs of each prompt token given the ones before it, for the rows computed now."""
-        for i, s in enumerate(scheduled):
+        for i, s in enumerate(step.scheduled):
             params = s.sampling_params
             if params is None or params.prompt_logprobs is None:
                 continue
@@ -153,9 +156,9 @@ class ModelRunner:
             )  # last position with a next prompt token
             if end <= s.start_position:
                 continue
-            start_row = batch.row_ends[i] - s.num_tokens
+            start_row = step.rows(i).start
             logits = self.model.compute_logits(
-                hidden[start_row : start_row + end - s.start_position]
+                step.hidden[start_row : start_row + end - s.start_position]
             )
             next_ids = torch.tensor(s.prompt_token_ids[s.start_position + 1 : end + 1])
             tensors = compute_prompt_logprobs(logits, next_ids, params.prompt_logprobs)
