@@ -77,7 +77,13 @@ class Attention(nn.Module):
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def _sdpa(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, mask=None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # q: [batch, q_len, heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim]
         out = self._kernel(
@@ -177,6 +183,7 @@ class Attention(nn.Module):
         """Write the new keys/values of every row into their slots first, then attend: decode
         rows over their blocks in place, whole prompts from their new rows, chunks after cached
         context over their blocks (so a block cached by one request this step is complete)."""
+        assert metadata.kv_caches is not None and metadata.slot_mapping is not None  # cached step
         kv_cache = metadata.kv_caches[self.layer_idx]  # see kv_cache_shape
         slots = kv_cache.view(2, self.num_kv_heads, -1, self.head_dim)  # [2, kv_heads, slots, dim]
         slots[0].index_copy_(1, metadata.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
@@ -223,6 +230,8 @@ class Attention(nn.Module):
             return self._attend_decode_gathered(q, kv_cache, plan)
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:
             q = q.contiguous()
+        assert plan.decode_tables is not None  # a plan with decode rows has all three
+        assert plan.decode_starts is not None and plan.decode_ends is not None
         return ops.paged_attention(
             q,
             kv_cache,
@@ -241,6 +250,7 @@ class Attention(nn.Module):
         for long queries)."""
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
+        assert plan.decode_tables is not None  # a plan with decode rows
         kv = self._gather(kv_cache, plan.decode_tables)  # [2, kv_heads, batch, L, dim]
         length = kv.shape[3]
         keys = kv[0].view(self.num_kv_heads * batch, length, self.head_dim)
