@@ -21,10 +21,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 if TYPE_CHECKING:
     import torch
@@ -154,6 +155,30 @@ def kernels_disabled() -> bool:
     return os.environ.get("CENOTE_DISABLE_KERNELS") == "1"
 
 
+_T = TypeVar("_T")
+
+
+def build_or_none(
+    build: Callable[[], _T], what: str, fallback: str, log: logging.Logger = logger
+) -> _T | None:
+    """``build()``, or None (one line on ``log`` saying why: ``<what> unavailable (<the error's
+    last line>); <fallback>``) where kernels are disabled or the build or load fails."""
+    if kernels_disabled():
+        log.info("%s disabled by CENOTE_DISABLE_KERNELS=1", what)
+        return None
+    try:
+        return build()
+    except Exception as e:  # no compiler, no ninja, a failed build: fall back, say why
+        message = str(e).strip()
+        log.warning(
+            "%s unavailable (%s); %s",
+            what,
+            message.splitlines()[-1] if message else type(e).__name__,
+            fallback,
+        )
+        return None
+
+
 def _remove_stale_lock(lock: Path) -> None:
     """torch waits forever on the build lock of a build that was killed; a build takes well
     under a minute, so a lock older than ``_STALE_LOCK_S`` is one nobody will release."""
@@ -166,22 +191,17 @@ def _remove_stale_lock(lock: Path) -> None:
 
 @cache
 def _load_quant() -> QuantOps | None:
-    if kernels_disabled():
-        logger.info("C++ kernels disabled by CENOTE_DISABLE_KERNELS=1")
-        return None
-    try:
+    def build() -> QuantOps:
         module = build_extension("cenote_quant", _QUANT_SOURCES, python_module=True)
         # pybind11 modules carry no type information; QuantOps declares the functions the
         # sources define
         return cast(QuantOps, module)
-    except Exception as e:  # no compiler, no ninja, a failed build: fall back, say why
-        message = str(e).strip()
-        logger.warning(
-            "quantized-matmul and fused-layer kernels unavailable (%s); weights run dense "
-            "and layers unfused",
-            message.splitlines()[-1] if message else type(e).__name__,
-        )
-        return None
+
+    return build_or_none(
+        build,
+        "quantized-matmul and fused-layer kernels",
+        "weights run dense and layers unfused",
+    )
 
 
 def quant_ops() -> QuantOps | None:

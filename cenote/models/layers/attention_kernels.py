@@ -15,7 +15,7 @@ from typing import Protocol, cast
 
 import torch
 
-from cenote.kernels import build_extension, kernels_disabled
+from cenote.kernels import build_extension, build_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -63,25 +63,24 @@ class AttentionOps(Protocol):
 @functools.cache
 def attention_ops() -> AttentionOps | None:
     """``torch.ops.cenote_attention`` (building it on first call), or None."""
-    if kernels_disabled():
-        logger.info("attention kernels disabled by CENOTE_DISABLE_KERNELS=1")
-        return None
-    try:
+
+    def build() -> AttentionOps:
         build_extension("cenote_attention", [_SOURCE], python_module=False)
         ops = torch.ops.cenote_attention
         ops.paged_attention  # noqa: B018  (resolving the op checks the library registered it)
-    except Exception as error:  # any build or load failure: fall back, say why once
-        message = str(error).strip()
-        logger.warning(
-            "attention kernels unavailable, attention loops over requests and gathers KV "
-            "blocks instead: %s",
-            message.splitlines()[-1] if message else type(error).__name__,
-        )
-        return None
-    _register_fakes()
-    # an op namespace resolves its ops by name at run time; AttentionOps declares the schemas
-    # the library registers
-    return cast(AttentionOps, ops)
+        # an op namespace resolves its ops by name at run time; AttentionOps declares the
+        # schemas the library registers
+        return cast(AttentionOps, ops)
+
+    ops = build_or_none(
+        build,
+        "attention kernels",
+        "attention loops over requests and gathers KV blocks instead",
+        logger,
+    )
+    if ops is not None:
+        _register_fakes()
+    return ops
 
 
 def _register_fakes() -> None:
