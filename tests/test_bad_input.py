@@ -55,6 +55,11 @@ def test_truncate_prompt_tokens_out_of_range(llm_fp32, value: int) -> None:
     _assert_idle(llm_fp32)
 
 
+def test_unknown_pooling_task(llm_fp32) -> None:
+    with pytest.raises(InvalidInputError, match="unknown pooling task 'rank'; choose one of"):
+        llm_fp32.encode("hello", pooling_task="rank")
+
+
 def test_dimensions_on_a_model_that_is_not_matryoshka(llm_fp32) -> None:
     with pytest.raises(ValueError, match=r"matryoshka.*384"):
         llm_fp32.embed("hello", PoolingParams(dimensions=32))

@@ -116,6 +116,17 @@ def test_pair_prompts_carry_segment_ids(llm_fp32) -> None:
             SamplingParams(), InvalidInputError,
             "chat_template_kwargs may not set add_generation_prompt",
         ),
+        (
+            {"messages": [{"role": "user", "content": 5}], "chat_template": TEMPLATE},
+            SamplingParams(), InvalidInputError,
+            "message 0: content must be a string or a list of content parts, got int",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}],
+             "chat_template": TEMPLATE},
+            SamplingParams(), InvalidInputError,
+            "message 0: content part 0 has type 'image_url'; this model reads text parts only",
+        ),
     ],
 )  # fmt: skip
 def test_bad_input_is_refused_with_cenotes_own_errors(llm, prompt, params, error, message):

@@ -104,6 +104,8 @@ def test_score_shape_errors(cross_llm) -> None:
         cross_llm.score(["a", "b"], ["c", "d", "e"])
     with pytest.raises(InvalidInputError, match="empty list"):
         cross_llm.score("a", [])
+    with pytest.raises(InvalidInputError, match=r"text_2\[1\] is a int, not str"):
+        cross_llm.score("a", ["b", 5])
 
 
 def test_bi_encoder_matches_sentence_transformers_similarity(llm_fp32, st_model) -> None:

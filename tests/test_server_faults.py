@@ -261,3 +261,21 @@ def test_a_text_over_max_input_chars_is_400(emb):
     message = _error(emb.post("/v1/embeddings", json=body), 400)
     expected = f"prompt 1 has {limit + 1} characters, more than the limit of {limit}"
     assert message == f"{expected} (max_input_chars)"
+
+
+def test_suffix_is_400(gen):
+    body = {"prompt": "a", "suffix": "b", "max_tokens": 1}
+    message = _error(gen.post("/v1/completions", json=body), 400)
+    assert message == "suffix is not supported: cenote does not fill in the middle"
+
+
+def test_an_invocations_body_that_is_not_an_object_is_400(emb):
+    message = _error(emb.post("/invocations", json=["a cat"]), 400)
+    assert message == "the request body must be a JSON object"
+
+
+def test_a_scoring_text_over_max_input_chars_is_400(emb):
+    limit = 1 << 20
+    body = {"text_1": "a cat", "text_2": ["a dog", "a" * (limit + 1)]}
+    message = _error(emb.post("/score", json=body), 400)
+    assert message == f"text_2[1] has {limit + 1} characters, the limit is {limit}"
