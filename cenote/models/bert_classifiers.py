@@ -32,8 +32,8 @@ def _linear_fp32(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return F.linear(x.float(), linear.weight.float(), bias)
 
 
-class BertForSequenceClassification(ScorerDefaults, BertModel):
-    """BERT trunk + HF pooler (dense + tanh on CLS) + ``classifier``."""
+class _BertWithClassifier(ScorerDefaults, BertModel):
+    """BERT trunk + ``classifier``, a linear layer to the config's labels."""
 
     has_classifier_head = True
 
@@ -41,6 +41,10 @@ class BertForSequenceClassification(ScorerDefaults, BertModel):
         super().__init__(model_config)
         self.num_labels = num_labels_of(self.config)
         self.classifier = nn.Linear(self.hidden_size, self.num_labels)
+
+
+class BertForSequenceClassification(_BertWithClassifier):
+    """BERT trunk + HF pooler (dense + tanh on CLS) + ``classifier``."""
 
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled [N, hidden]`` (CLS rows) -> fp32 logits ``[N, num_labels]``."""
@@ -76,16 +80,10 @@ class RobertaForSequenceClassification(ScorerDefaults, RobertaModel):
         return self.classifier(pooled)  # [N, num_labels] fp32
 
 
-class BertForTokenClassification(ScorerDefaults, BertModel):
+class BertForTokenClassification(_BertWithClassifier):
     """BERT trunk + a per-token ``classifier`` (named-entity style labels)."""
 
     classifier_pooling: PoolingMethod | None = None  # token_classify only
-    has_classifier_head = True
-
-    def __init__(self, model_config: ModelConfig) -> None:
-        super().__init__(model_config)
-        self.num_labels = num_labels_of(self.config)
-        self.classifier = nn.Linear(self.hidden_size, self.num_labels)
 
     def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         return _linear_fp32(hidden, self.classifier)  # [num_tokens, num_labels] fp32
