@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from cenote.config import EngineConfig
 from cenote.forward_context import forward_context
 from cenote.messages import LogprobsLists
-from cenote.models.interfaces import CausalLM
+from cenote.models.interfaces import CausalLM, Model
 from cenote.pooling.metadata import PoolingMetadata
+from cenote.pooling.pooler import DispatchPooler
 from cenote.runner.batch import InputBatch, build_input_batch
 from cenote.runner.output import ModelRunnerOutput
 from cenote.sampling.metadata import SamplingMetadata, SamplingRow, make_generator
@@ -40,8 +40,8 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
-        model: nn.Module,
-        pooler: nn.Module | None,
+        model: Model,
+        pooler: DispatchPooler | None,
         kv_caches: list[torch.Tensor] | None,  # per layer [2, blocks, block_size, kv_heads, dim]
     ) -> None:
         self.config = config
@@ -50,7 +50,8 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
-        self.sampler = Sampler() if isinstance(model, CausalLM) else None
+        self.lm_head: CausalLM | None = model if isinstance(model, CausalLM) else None
+        self.sampler = Sampler() if self.lm_head is not None else None
         self._generators: dict[str, torch.Generator] = {}
         self._partial_hidden: dict[str, list[torch.Tensor]] = {}
 
@@ -106,32 +107,35 @@ class ModelRunner:
         metadata = PoolingMetadata(
             start_loc=start_loc, pooling_params=params, prompt_token_ids=prompts
         )
+        assert self.pooler is not None  # the engine admits pooling requests with a pooler only
         results = self.pooler(pooled_hidden, metadata)
         return dict(zip(ids, results, strict=True))
 
     # ---- sampling branch --------------------------------------------------------------------
 
     def _sample(self, step: _Step, output: ModelRunnerOutput) -> None:
+        assert self.lm_head is not None and self.sampler is not None  # a CausalLM's runner
         scheduled = step.scheduled
         indices = [i for i, s in enumerate(scheduled) if s.needs_sample]
         if not indices:
             return
         last_rows = torch.tensor([step.batch.row_ends[i] - 1 for i in indices])
-        logits = self.model.compute_logits(step.hidden[last_rows])  # [num_rows, vocab]
+        logits = self.lm_head.compute_logits(step.hidden[last_rows])  # [num_rows, vocab]
         rows = [self._sampling_row(scheduled[i]) for i in indices]
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
         result = self.sampler(logits, metadata)
         sampled = result.sampled_token_ids.tolist()
         for row, i in enumerate(indices):
-            s = scheduled[i]
+            s, params = scheduled[i], rows[row].params
             output.sampled_token_ids[s.request_id] = [sampled[row]]
-            if result.logprobs is not None and s.sampling_params.logprobs is not None:
+            if result.logprobs is not None and params.logprobs is not None:
                 output.logprobs[s.request_id] = _slice_logprobs(
-                    result.logprobs, row, row + 1, s.sampling_params.logprobs
+                    result.logprobs, row, row + 1, params.logprobs
                 )
 
     def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
         params = s.sampling_params
+        assert params is not None  # needs_sample: a generation request
         generator = None
         if params.seed is not None:
             generator = self._generators.get(s.request_id)
@@ -146,6 +150,7 @@ class ModelRunner:
 
     def _prompt_logprobs(self, step: _Step, output: ModelRunnerOutput) -> None:
         """Logprobs of each prompt token given the ones before it, for the rows computed now."""
+        assert self.lm_head is not None  # a CausalLM's runner
         for i, s in enumerate(step.scheduled):
             params = s.sampling_params
             if params is None or params.prompt_logprobs is None:
@@ -157,7 +162,7 @@ class ModelRunner:
             if end <= s.start_position:
                 continue
             start_row = step.rows(i).start
-            logits = self.model.compute_logits(
+            logits = self.lm_head.compute_logits(
                 step.hidden[start_row : start_row + end - s.start_position]
             )
             next_ids = torch.tensor(s.prompt_token_ids[s.start_position + 1 : end + 1])
