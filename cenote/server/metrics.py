@@ -12,47 +12,47 @@ _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384)
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
-        r = self.registry
+        self.registry = r = CollectorRegistry()
+
+        def gauge(name: str, documentation: str) -> Gauge:
+            return Gauge(name, documentation, ["model_name"], registry=r).labels(model_name)
+
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, ["model_name"], registry=r).labels(model_name)
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                name, documentation, ["model_name"], buckets=buckets, registry=r
+            ).labels(model_name)
+
         self.requests = Counter(
             "cenote_http_requests", "HTTP requests by endpoint and status",
             ["endpoint", "status"], registry=r,
         )  # fmt: skip
-        self.num_waiting = Gauge(
-            "cenote_num_requests_waiting", "Requests waiting in the scheduler",
-            ["model_name"], registry=r,
-        ).labels(**labels)  # fmt: skip
-        self.num_running = Gauge(
-            "cenote_num_requests_running", "Requests running in the engine",
-            ["model_name"], registry=r,
-        ).labels(**labels)  # fmt: skip
-        self.kv_cache_usage = Gauge(
-            "cenote_kv_cache_usage_perc", "Fraction of KV cache blocks in use",
-            ["model_name"], registry=r,
-        ).labels(**labels)  # fmt: skip
-        self.scheduled_tokens = Histogram(
+        # per model, labelled with its name
+        self.num_waiting = gauge("cenote_num_requests_waiting", "Requests waiting in the scheduler")
+        self.num_running = gauge("cenote_num_requests_running", "Requests running in the engine")
+        self.kv_cache_usage = gauge(
+            "cenote_kv_cache_usage_perc", "Fraction of KV cache blocks in use"
+        )
+        self.scheduled_tokens = histogram(
             "cenote_scheduled_tokens_per_step", "Tokens scheduled in one engine step",
-            ["model_name"], buckets=_TOKEN_BUCKETS, registry=r,
-        ).labels(**labels)  # fmt: skip
-        self.prompt_tokens = Counter(
-            "cenote_prompt_tokens", "Prompt tokens processed", ["model_name"], registry=r
-        ).labels(**labels)
-        self.generation_tokens = Counter(
-            "cenote_generation_tokens", "Tokens generated", ["model_name"], registry=r
-        ).labels(**labels)
-        self.queue_time = Histogram(
+            _TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.prompt_tokens = counter("cenote_prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("cenote_generation_tokens", "Tokens generated")
+        self.queue_time = histogram(
             "cenote_request_queue_time_seconds", "Time from arrival to first scheduling",
-            ["model_name"], buckets=_LATENCY_BUCKETS, registry=r,
-        ).labels(**labels)  # fmt: skip
-        self.ttft = Histogram(
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.ttft = histogram(
             "cenote_time_to_first_token_seconds", "Time to the first output (token or pooled)",
-            ["model_name"], buckets=_LATENCY_BUCKETS, registry=r,
-        ).labels(**labels)  # fmt: skip
-        self.e2e = Histogram(
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.e2e = histogram(
             "cenote_e2e_request_latency_seconds", "Time from arrival to the last output",
-            ["model_name"], buckets=_LATENCY_BUCKETS, registry=r,
-        ).labels(**labels)  # fmt: skip
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
 
     def record_step(self, stats: SchedulerStats | None, queue_times: list[float]) -> None:
         """Called by the engine client for every message from the core."""
