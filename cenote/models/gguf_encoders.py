@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,9 +26,10 @@ from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokeniz
 from tokenizers.models import WordPiece
 
 from cenote.models.gguf_loader import (
-    ARCHITECTURES,
     CONTROL_TOKEN_TYPE,
     GGUFError,
+    arch_field,
+    base_config,
     dequantize_tensor,
     float32_value,
     read_field,
@@ -87,32 +89,15 @@ _POOLING: dict[int, PoolingMethodName | None] = {
 
 def build_encoder_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
     """A config.json-style dict for BertModel / NomicBertModel from ``{arch}.*`` metadata."""
-    hf_architecture, model_type = ARCHITECTURES[architecture]
-
-    def arch(key: str, default: Any = None) -> Any:
-        return read_field(reader, f"{architecture}.{key}", default)
-
+    arch = partial(arch_field, reader, architecture)
     if arch("attention.causal", False):
         raise GGUFError(
             f"GGUF {architecture} file has {architecture}.attention.causal = true; cenote runs "
             "BERT-family encoders with bidirectional attention only"
         )
-    tokens = read_field(reader, "tokenizer.ggml.tokens") or []
-    config: dict[str, Any] = {
-        "architectures": [hf_architecture],
-        "model_type": model_type,
-        "hidden_size": arch("embedding_length"),
-        "intermediate_size": arch("feed_forward_length"),
-        "num_hidden_layers": arch("block_count"),
-        "num_attention_heads": arch("attention.head_count"),
-        "max_position_embeddings": arch("context_length"),
-        "layer_norm_eps": float32_value(arch("attention.layer_norm_epsilon", 1e-12)),
-        "type_vocab_size": _type_vocab_size(reader),
-        "vocab_size": arch("vocab_size") or len(tokens),
-    }
-    pad_token_id = read_field(reader, "tokenizer.ggml.padding_token_id")
-    if pad_token_id is not None:
-        config["pad_token_id"] = pad_token_id
+    config = base_config(reader, architecture)
+    config["layer_norm_eps"] = float32_value(arch("attention.layer_norm_epsilon", 1e-12))
+    config["type_vocab_size"] = _type_vocab_size(reader)
     if architecture == "bert":
         config["hidden_act"] = "gelu"
     else:  # llama.cpp's default rotary base when a file states none

@@ -20,6 +20,7 @@ import importlib.util
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -271,6 +272,32 @@ def float32_value(value: float) -> float:
     return float(str(np.float32(value)))
 
 
+def arch_field(reader: GGUFReader, architecture: str, key: str, default: Any = None) -> Any:
+    """The architecture's metadata ``{architecture}.{key}``, or ``default`` when absent."""
+    return read_field(reader, f"{architecture}.{key}", default)
+
+
+def base_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
+    """The config.json keys every architecture reads alike: its Hugging Face names, sizes,
+    context length, vocabulary size and padding token."""
+    hf_architecture, model_type = ARCHITECTURES[architecture]
+    arch = partial(arch_field, reader, architecture)
+    config: dict[str, Any] = {
+        "architectures": [hf_architecture],
+        "model_type": model_type,
+        "hidden_size": arch("embedding_length"),
+        "intermediate_size": arch("feed_forward_length"),
+        "num_hidden_layers": arch("block_count"),
+        "num_attention_heads": arch("attention.head_count"),
+        "max_position_embeddings": arch("context_length"),
+        "vocab_size": arch("vocab_size") or len(read_field(reader, "tokenizer.ggml.tokens") or []),
+    }
+    pad_token_id = read_field(reader, "tokenizer.ggml.padding_token_id")
+    if pad_token_id is not None:
+        config["pad_token_id"] = pad_token_id
+    return config
+
+
 def build_config(reader: GGUFReader) -> dict[str, Any]:
     """A Hugging Face config.json-style dict from `{arch}.*` and `tokenizer.ggml.*` metadata."""
     architecture = read_field(reader, "general.architecture")
@@ -282,35 +309,19 @@ def build_config(reader: GGUFReader) -> dict[str, Any]:
         from cenote.models.gguf_encoders import build_encoder_config
 
         return build_encoder_config(reader, architecture)
-    hf_architecture, model_type = ARCHITECTURES[architecture]
-
-    def arch(key: str, default: Any = None) -> Any:
-        return read_field(reader, f"{architecture}.{key}", default)
-
-    num_heads = arch("attention.head_count")
-    vocab_size = arch("vocab_size") or len(read_field(reader, "tokenizer.ggml.tokens", []))
-    config: dict[str, Any] = {
-        "architectures": [hf_architecture],
-        "model_type": model_type,
-        "hidden_size": arch("embedding_length"),
-        "intermediate_size": arch("feed_forward_length"),
-        "num_hidden_layers": arch("block_count"),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": arch("attention.head_count_kv", num_heads),
-        "rms_norm_eps": float32_value(arch("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float32_value(arch("rope.freq_base", 10000.0)),
-        "max_position_embeddings": arch("context_length"),
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
-        "bos_token_id": read_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": read_field(reader, "tokenizer.ggml.eos_token_id"),
-    }
+    arch = partial(arch_field, reader, architecture)
+    config = base_config(reader, architecture)
+    config.update(
+        num_key_value_heads=arch("attention.head_count_kv", config["num_attention_heads"]),
+        rms_norm_eps=float32_value(arch("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float32_value(arch("rope.freq_base", 10000.0)),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=read_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
     head_dim = arch("attention.key_length")
     if head_dim is not None:
         config["head_dim"] = head_dim
-    pad_token_id = read_field(reader, "tokenizer.ggml.padding_token_id")
-    if pad_token_id is not None:
-        config["pad_token_id"] = pad_token_id
     rope_scaling = build_rope_scaling(reader, architecture)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
