@@ -102,9 +102,20 @@ class BertModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,  # [num_tokens]
     ) -> torch.Tensor:
         x = self.embeddings(input_ids, positions, token_type_ids)
+        mask_fn = self._mask_fn(input_ids, positions)
         for layer in self.layers:
-            x = layer(x)
-        return x  # [num_tokens, hidden]
+            x = layer(x, mask_fn)
+        return self._output(x, input_ids, positions)  # [num_tokens, hidden_size]
+
+    def _mask_fn(self, input_ids: torch.Tensor, positions: torch.Tensor) -> EncoderMaskFn | None:
+        """What every layer's attention masks in this step (None: nothing)."""
+        return None
+
+    def _output(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The trunk's output from the last layer's hidden states (BERT: those)."""
+        return hidden
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the module; returns the names of our parameters loaded."""

@@ -161,30 +161,20 @@ class HFColBERT(BertModel):
         # a plain tensor, not a buffer: ``to_empty`` after the meta-device build keeps it
         self.skiplist = torch.tensor(sorted(self.tokens.skiplist), device="cpu")
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens], 0-based within each request
-        token_type_ids: torch.Tensor | None = None,  # [num_tokens]
+    def _mask_fn(self, input_ids: torch.Tensor, positions: torch.Tensor) -> EncoderMaskFn | None:
+        """The query's [MASK] padding hidden from attention (unless ``attend_to_mask_tokens``)."""
+        if self.settings.attend_to_mask_tokens:
+            return None
+        request, is_query = _marked(input_ids, positions, self.tokens.query_marker_id)
+        return _key_mask_fn(is_query & self._after_sep(input_ids, positions, request))
+
+    def _output(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
-        # 1) each row's role, from its request's marker at position 1
-        request = torch.cumsum(positions == 0, dim=0) - 1  # [num_tokens]
-        num_requests = int(request[-1]) + 1
-        marker = torch.full((num_requests,), -1, dtype=input_ids.dtype)
-        second = positions == 1
-        marker[request[second]] = input_ids[second]
-        is_query = (marker == self.tokens.query_marker_id)[request]
-        is_document = (marker == self.tokens.doc_marker_id)[request]
-        # 2) trunk, the query's [MASK] padding hidden from attention
-        mask_fn = None
-        if not self.settings.attend_to_mask_tokens:
-            mask_fn = _key_mask_fn(is_query & self._after_sep(input_ids, positions, request))
-        x = self.embeddings(input_ids, positions, token_type_ids)
-        for layer in self.layers:
-            x = layer(x, mask_fn)
-        # 3) project; documents' punctuation rows become zeros
-        x = self.linear(x)  # [num_tokens, dim]
+        """Projected to ``dim``; with ``mask_punctuation`` documents' punctuation rows are zeros."""
+        x = self.linear(hidden)  # [num_tokens, dim]
         if self.settings.mask_punctuation:
+            _, is_document = _marked(input_ids, positions, self.tokens.doc_marker_id)
             dropped = is_document & torch.isin(input_ids, self.skiplist.to(input_ids.device))
             x = x.masked_fill(dropped.unsqueeze(1), 0.0)
         return x
@@ -203,6 +193,19 @@ class HFColBERT(BertModel):
         if name == "linear.weight":
             return name, None
         return super()._map_name(name)
+
+
+def _marked(
+    input_ids: torch.Tensor, positions: torch.Tensor, marker_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_tokens] each row's request index in the step, and [num_tokens] bool: its request's
+    marker (the token at position 1) is ``marker_id``."""
+    request = torch.cumsum(positions == 0, dim=0) - 1
+    num_requests = int(request[-1]) + 1
+    marker = torch.full((num_requests,), -1, dtype=input_ids.dtype)
+    second = positions == 1
+    marker[request[second]] = input_ids[second]
+    return request, (marker == marker_id)[request]
 
 
 def _key_mask_fn(hidden_keys: torch.Tensor) -> EncoderMaskFn | None:
