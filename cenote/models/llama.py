@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.kernels import quant_ops
+from cenote.kernels import QuantOps, quant_ops
 from cenote.models.decoder_base import FUSED, DecoderBase, map_name
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
 from cenote.models.layers.linear import pack_weight, packed_linear
@@ -86,11 +85,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
         self.windows = layer_windows(config, config["num_hidden_layers"])  # None: full attention
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, i, window) for i, window in enumerate(self.windows)
-        )
+        layers = [LlamaDecoderLayer(config, options, i, w) for i, w in enumerate(self.windows)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
-        self.rotary = RotaryEmbedding(self.layers[0].self_attn.head_dim, config)
+        self.rotary = RotaryEmbedding(layers[0].self_attn.head_dim, config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -107,11 +105,14 @@ class LlamaModel(nn.Module):
     def _fusable(self) -> bool:
         """Every layer's steps have a fused kernel: SiLU MLPs, RoPE without q/k norms."""
         return all(
-            layer.self_attn.q_norm is None and layer.mlp.act is F.silu for layer in self.layers
+            isinstance(layer, LlamaDecoderLayer)  # nn.ModuleList types its items as Module
+            and layer.self_attn.q_norm is None
+            and layer.mlp.act is F.silu
+            for layer in self.layers
         )
 
     def _forward_fused(
-        self, ops: ModuleType, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, ops: QuantOps, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """The same layers with their elementwise steps fused (cenote/kernels/fused_ops.cpp):
         each residual add is fused with the norm after it, across layer boundaries, and RoPE
@@ -119,8 +120,10 @@ class LlamaModel(nn.Module):
         residual = residual.contiguous()
         hidden = residual.clone()
         first = self.layers[0].input_layernorm
+        assert isinstance(first, RMSNorm)
         ops.add_rms_norm_(hidden, None, first.weight, first.eps)
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, LlamaDecoderLayer)  # nn.ModuleList types its items as Module
             attention = layer.self_attn
             qkv = attention.qkv_proj(hidden)
             q_end = attention.q_size
@@ -137,8 +140,11 @@ class LlamaModel(nn.Module):
             ops.add_rms_norm_(out, residual, norm.weight, norm.eps)  # residual += attention
             mlp = layer.mlp
             hidden = mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(out)))
-            norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)  # residual += mlp
+            next_norm = (
+                self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            )
+            assert isinstance(next_norm, RMSNorm)
+            ops.add_rms_norm_(hidden, residual, next_norm.weight, next_norm.eps)  # residual += mlp
         return hidden
 
 
