@@ -99,6 +99,8 @@ class ModelConfig:
     max_logprobs: int = 20  # most top logprobs a request may ask for (vLLM's default)
     # weight format: auto (a GGUF's quantized tensors stay quantized), none, int8, int4
     quantization: str = "auto"
+    # quantized weights: a dense copy for steps of many rows (auto, on, off)
+    quantized_dense_copy: str = "auto"
     # The opened GGUF file (None for a folder): its config, tokenizer, chat template and tensors
     # all come from this one reader. Crossing a process it travels as its path (re-opened there).
     gguf: GGUFCheckpoint | None = field(default=None, compare=False, repr=False)

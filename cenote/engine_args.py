@@ -158,6 +158,13 @@ class EngineArgs:
         "dense; int8 / int4: weight-only quantization of a folder's linear layers (groups of "
         "32) at load",
     )
+    quantized_dense_copy: Literal["auto", "on", "off"] = option(
+        "auto",
+        "quantized weights: also keep a dense copy in the compute dtype for steps of more than "
+        "8 rows (prefill, many streams), where FLOPs, not bytes, bound the matmuls and a "
+        "per-step dequantization costs more than the matmul. auto: on when the copies take at "
+        "most a quarter of the available memory",
+    )
     seed: int = option(
         0,
         "kept for vLLM compatibility; a request without its own seed samples from torch's "
@@ -223,7 +230,11 @@ class EngineArgs:
             self.convert,
             self.max_logprobs,
         )
-        model_config = dataclasses.replace(model_config, quantization=self.quantization)
+        model_config = dataclasses.replace(
+            model_config,
+            quantization=self.quantization,
+            quantized_dense_copy=self.quantized_dense_copy,
+        )
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = max(_MIN_TOKEN_BUDGET, model_config.max_model_len)

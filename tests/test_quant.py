@@ -3,6 +3,7 @@ models that use them (SmolLM2's GGUF kept quantized, MiniLM with int8/int4 opt-i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -12,13 +13,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from cenote.kernels import quant_ops
+from cenote.models.layers import quant
 from cenote.models.layers.quant import (
+    DENSE_ABOVE_ROWS,
     FUSED_MAX_ROWS,
     QuantizedWeight,
     QuantLinear,
     cat_rows,
     dequantize_reference,
     from_gguf,
+    keep_dense_copies,
     quant_linear,
     quantize_dense,
 )
@@ -130,6 +134,49 @@ def test_fused_projection_of_mixed_formats():
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_copy_serves_steps_of_many_rows(dtype):
+    """With ``keep_dense`` a layer multiplies more than DENSE_ABOVE_ROWS[dtype] rows by its
+    dense copy (x @ W.T of the dequantized weight); fewer rows still take the fused kernel."""
+    weight = quantize_dense(torch.randn(96, 256), "int4")
+    bias = torch.randn(96).to(dtype)
+    layer = QuantLinear([weight], bias)
+    few = DENSE_ABOVE_ROWS[dtype]
+    x = torch.randn(few + 3, 256).to(dtype)
+    fused_few = layer(x[:few])
+    assert layer.keep_dense(dtype) == 96 * 256 * dtype.itemsize
+    assert torch.equal(layer(x[:few]), fused_few)
+    got = layer(x)
+    assert got.dtype == dtype
+    dense = dequantize_reference(weight)
+    if dtype == torch.float32:
+        _assert_matmul_close(got - bias, x, dense)
+    else:  # the copy is the bf16 rounding of the dequantized weight
+        expected = x.float() @ dense.bfloat16().float().T + bias.float()
+        torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_dense_copies_follow_the_option(monkeypatch):
+    """on: every QuantLinear gets a copy; off: none; auto: only within a quarter of the
+    available memory."""
+    weights = [quantize_dense(torch.randn(64, 128), "int8") for _ in range(2)]
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(*(QuantLinear([w], None) for w in weights))
+
+    need = 2 * 64 * 128 * 4
+    for mode, available, kept in (
+        ("on", 0, need),
+        ("off", 1 << 40, 0),
+        ("auto", 4 * need, need),
+        ("auto", 4 * need - 1, 0),
+    ):
+        monkeypatch.setattr(quant, "available_memory", lambda available=available: available)
+        layers = model()
+        assert keep_dense_copies(layers, torch.float32, mode) == kept, (mode, available)
+        assert all((layer._dense is not None) == bool(kept) for layer in layers)
+
+
 def test_bad_kernel_arguments_raise_clearly():
     ops = quant_ops()
     weight = quantize_dense(torch.randn(8, 64), "int8")
@@ -165,15 +212,18 @@ def test_smollm2_gguf_stays_quantized(smollm2_gguf):
     from cenote.models.loader import load_model
 
     model_config = ModelConfig.from_path(str(smollm2_gguf), dtype="float32")
+    model_config = dataclasses.replace(model_config, quantized_dense_copy="off")
     model = load_model(model_config)
     layer = model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
     assert isinstance(layer.mlp.down_proj, QuantLinear)
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
-    quantized = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    weights = [p for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts]
+    weights.append(model.model.embed_tokens.weight_q)  # also the tied head's QuantLinear
+    quantized = sum({w.qdata.data_ptr(): w.nbytes for w in weights}.values())
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     # about the file's bytes: 4.5-5 bits per trunk weight, the rest (norms) dense fp32
-    assert quantized + model.model.embed_tokens.weight_q.nbytes < 110e6
+    assert quantized < 110e6
     assert dense < 1e6
 
 

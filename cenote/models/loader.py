@@ -15,7 +15,7 @@ from cenote.config import ModelConfig
 from cenote.kernels import quant_ops
 from cenote.models.interfaces import Model, PostLoad, QuantizedLoading
 from cenote.models.layers.linear import prepack_trunk
-from cenote.models.layers.quant import quantize_trunk
+from cenote.models.layers.quant import keep_dense_copies, quantize_trunk
 from cenote.models.registry import load_model_class
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,8 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     prepack_trunk(model)
     if isinstance(model, PostLoad):
         model.post_load()  # after the cast: e.g. pack the LM head in the runtime dtype
+    if method is not None:
+        keep_dense_copies(model, model_config.dtype, model_config.quantized_dense_copy)
     return model
 
 

@@ -24,12 +24,17 @@ import torch
 from torch import nn
 
 from cenote.kernels import quant_ops
+from cenote.models.layers.linear import pack_weight, packed_linear
 
 logger = logging.getLogger(__name__)
 
 # Rows at or below which the fused kernel beats dequantize + BLAS matmul (measured with
 # benchmarks/quant_matmul.py; see there for the numbers on each CPU kind).
 FUSED_MAX_ROWS = 8
+# Rows above which a layer's dense copy (``QuantLinear.keep_dense``) beats the fused kernel, by
+# the copy's dtype (end-to-end decode of SmolLM2 Q4_1 at 3 to 16 streams, Intel AMX machine): a
+# bf16 copy multiplies on AMX and wins from 5 rows; an fp32 one only from about 12 rows.
+DENSE_ABOVE_ROWS = {torch.bfloat16: 4, torch.float32: FUSED_MAX_ROWS}
 
 
 @dataclass
@@ -278,13 +283,31 @@ class QuantLinear(nn.Module):
 
     def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None) -> None:
         super().__init__()
-        merged = cat_rows(parts)
+        merged = parts[0] if len(parts) == 1 else cat_rows(parts)
         self.parts = [merged] if merged is not None else parts
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        # a dense copy for steps of many rows (``keep_dense``): prepacked, else plain
+        self._dense: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._dense_above_rows = FUSED_MAX_ROWS
+
+    def keep_dense(self, dtype: torch.dtype) -> int:
+        """Also keep the weight dense in ``dtype`` (oneDNN-prepacked where possible) for steps
+        of more than ``DENSE_ABOVE_ROWS[dtype]`` rows, which then skip the fused kernel or the
+        per-step dequantization; returns the bytes the copy takes."""
+        weight = torch.cat([part.dequantize(torch.float32) for part in self.parts]).to(dtype)
+        packed = pack_weight(weight)
+        # the prepacked copy is all the matmul reads: the plain one is only a dtype/shape tag
+        self._dense = (weight if packed is None else weight.new_empty(0, weight.shape[1]), packed)
+        self._dense_above_rows = DENSE_ABOVE_ROWS.get(dtype, FUSED_MAX_ROWS)
+        return weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dense is not None and x.shape[0] > self._dense_above_rows:
+            weight, packed = self._dense
+            bias = None if self.bias is None else self.bias.to(weight.dtype)
+            return packed_linear(x.to(weight.dtype), weight, packed, bias).to(x.dtype)
         if len(self.parts) == 1:
             return quant_linear(x, self.parts[0], self.bias)
         out = torch.cat([quant_linear(x, part, None) for part in self.parts], dim=-1)
@@ -327,3 +350,45 @@ def quantize_trunk(model: nn.Module, method: str) -> int:
         weight = quantize_dense(module.weight, method)
         setattr(parent, child, QuantLinear([weight], module.bias))
     return len(targets)
+
+
+def keep_dense_copies(model: nn.Module, dtype: torch.dtype, mode: str) -> int:
+    """Give every ``QuantLinear`` of ``model`` a dense copy in ``dtype`` (``keep_dense``) when
+    ``mode`` is "on", or "auto" and the copies take at most a quarter of the memory available
+    now; returns the bytes added (0: none kept)."""
+    layers = [module for module in model.modules() if isinstance(module, QuantLinear)]
+    need = sum(layer.in_features * layer.out_features for layer in layers) * dtype.itemsize
+    if mode == "off" or not layers:
+        return 0
+    available = available_memory()
+    if mode == "auto" and available is not None and need > available // 4:
+        logger.info(
+            "no dense copy of the quantized weights: %d MiB would exceed a quarter of the "
+            "%d MiB available (steps of more than %d rows dequantize instead)",
+            need >> 20,
+            available >> 20,
+            FUSED_MAX_ROWS,
+        )
+        return 0
+    for layer in layers:
+        layer.keep_dense(dtype)
+    logger.info(
+        "kept a %s copy of %d quantized layers (%d MiB) for steps of more than %d rows",
+        str(dtype).removeprefix("torch."),
+        len(layers),
+        need >> 20,
+        DENSE_ABOVE_ROWS.get(dtype, FUSED_MAX_ROWS),
+    )
+    return need
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux ``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
