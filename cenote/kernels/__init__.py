@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_QUANT_SOURCES = [_HERE / "quant_linear.cpp", _HERE / "fused_ops.cpp"]
+_QUANT_SOURCES = [_HERE / "quant_linear.cpp", _HERE / "fused_ops.cpp", _HERE / "decode_stack.cpp"]
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so dequantized values
 # and the fused elementwise ops round exactly as torch and gguf do
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
@@ -87,6 +87,61 @@ class QuantOps(Protocol):
         self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int, /
     ) -> None:
         """Rotate-half rotary embedding of the first ``width`` columns of ``qk``, in place."""
+        ...
+
+    def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, /) -> DecodeStack:  # noqa: N802
+        """An empty stack of layers with these attention sizes (the pybind11 class)."""
+        ...
+
+
+class DecodeStack(Protocol):
+    """A llama-family decoder's layers with quantized weights, run as one C++ loop for decode
+    steps (decode_stack.cpp): the ops of ``LlamaModel._forward_fused`` in the same order."""
+
+    def add_linear(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        mn: torch.Tensor | None,
+        bits: int,
+        group: int,
+        bias: torch.Tensor | None,
+        /,
+    ) -> None:
+        """The next quantized projection of the layer being built (qkv, o, gate_up, down)."""
+        ...
+
+    def add_layer(
+        self,
+        post_norm: torch.Tensor,
+        post_eps: float,
+        next_norm: torch.Tensor,
+        next_eps: float,
+        scale: float,
+        cache_index: int,
+        /,
+    ) -> None:
+        """Close the layer: its post-attention norm, the next input norm (or the final one),
+        the attention scale and which KV cache of the step is its own."""
+        ...
+
+    def num_layers(self) -> int: ...
+
+    def run(
+        self,
+        residual: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        tables: list[torch.Tensor],
+        starts: list[torch.Tensor],
+        ends: list[torch.Tensor],
+        /,
+    ) -> torch.Tensor:
+        """Every layer over one-token rows: ``hidden`` is the first layer's normed input,
+        ``residual`` its input (updated in place); returns the final norm's output."""
         ...
 
 

@@ -467,6 +467,8 @@ void add_rms_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
                    const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_t width);
+// decode_stack.cpp
+void bind_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "x @ dequant(w).T for few rows (fused)");
@@ -474,4 +476,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k heads, in place");
+  bind_decode_stack(m);
 }

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.kernels import QuantOps, quant_ops
+from cenote.forward_context import get_attention_metadata
+from cenote.kernels import DecodeStack, QuantOps, quant_ops
 from cenote.models.decoder_base import FUSED, DecoderBase, map_name
+from cenote.models.layers.attention_kernels import attention_ops
+from cenote.models.layers.attention_plan import paged_plan
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
 from cenote.models.layers.linear import pack_weight, packed_linear
 from cenote.models.layers.norm import RMSNorm
@@ -89,6 +92,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
         self.rotary = RotaryEmbedding(layers[0].self_attn.head_dim, config)
+        self._decode_stack: DecodeStack | None | Literal[False] = False  # False: not built yet
+        self._stack_max_rows = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -122,6 +127,9 @@ class LlamaModel(nn.Module):
         first = self.layers[0].input_layernorm
         assert isinstance(first, RMSNorm)
         ops.add_rms_norm_(hidden, None, first.weight, first.eps)
+        decoded = self._decode_step(ops, residual, hidden, cos, sin)
+        if decoded is not None:
+            return decoded
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)  # nn.ModuleList types its items as Module
             attention = layer.self_attn
@@ -146,6 +154,89 @@ class LlamaModel(nn.Module):
             assert isinstance(next_norm, RMSNorm)
             ops.add_rms_norm_(hidden, residual, next_norm.weight, next_norm.eps)  # residual += mlp
         return hidden
+
+    def _decode_step(
+        self,
+        ops: QuantOps,
+        residual: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The layer loop of ``_forward_fused`` as one C++ call (cenote/kernels/
+        decode_stack.cpp, bit-identical) when every row is one new token of its request and
+        every projection is one quantized block multiplied by the fused kernel; else None."""
+        metadata = get_attention_metadata()
+        if metadata.kv_caches is None or metadata.slot_mapping is None:
+            return None
+        stack = self._stack(ops)
+        if stack is None or hidden.shape[0] > self._stack_max_rows:
+            return None
+        plans = [paged_plan(metadata, window) for window in self.windows]
+        if not plans[0].all_decode or hidden.dtype != metadata.kv_caches[0].dtype:
+            return None
+        tables, starts, ends = [], [], []
+        for plan in plans:
+            assert plan.decode_tables is not None and plan.decode_starts is not None
+            assert plan.decode_ends is not None  # all-decode plans have all three
+            tables.append(plan.decode_tables)
+            starts.append(plan.decode_starts)
+            ends.append(plan.decode_ends)
+        return stack.run(
+            residual,
+            hidden,
+            cos,
+            sin,
+            metadata.kv_caches,
+            metadata.slot_mapping,
+            tables,
+            starts,
+            ends,
+        )
+
+    def _stack(self, ops: QuantOps) -> DecodeStack | None:
+        """The layers as a ``DecodeStack``, built on first use (the weights are final by then),
+        or None where a layer does not fit it (a dense or split projection, attention kernels
+        unavailable, a softcap)."""
+        if self._decode_stack is not False:
+            return self._decode_stack
+        self._decode_stack = None
+        if attention_ops() is None:
+            return None
+        layers = [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
+        modules: list[nn.Module] = [
+            module
+            for layer in layers
+            for module in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        ]
+        linears = [m for m in modules if isinstance(m, QuantLinear) and len(m.parts) == 1]
+        if len(layers) != len(self.layers) or len(linears) != len(modules):
+            return None
+        if any(layer.self_attn.attn.softcap is not None for layer in layers):
+            return None
+        first = layers[0].self_attn
+        stack = ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim)
+        for i, layer in enumerate(layers):
+            for linear in linears[4 * i : 4 * i + 4]:  # qkv, o, gate_up, down
+                part = linear.parts[0]
+                stack.add_linear(
+                    part.qdata, part.scales, part.mins, part.bits, part.group, linear.bias
+                )
+            post = layer.post_attention_layernorm
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            attn = layer.self_attn.attn
+            stack.add_layer(
+                post.weight, post.eps, following.weight, following.eps, attn.scale, attn.layer_idx
+            )
+        # above these rows a layer multiplies its dense copy instead (QuantLinear.forward)
+        self._stack_max_rows = min(linear.fused_max_rows for linear in linears)
+        self._decode_stack = stack
+        return stack
 
 
 class LlamaDecoder(DecoderBase):

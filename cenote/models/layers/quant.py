@@ -303,6 +303,12 @@ class QuantLinear(nn.Module):
         self._dense_above_rows = DENSE_ABOVE_ROWS.get(dtype, FUSED_MAX_ROWS)
         return weight.nbytes
 
+    @property
+    def fused_max_rows(self) -> int:
+        """The most rows this layer multiplies with the fused kernel (more: the dense copy, or
+        dequantize + matmul)."""
+        return self._dense_above_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._dense is not None and x.shape[0] > self._dense_above_rows:
             weight, packed = self._dense

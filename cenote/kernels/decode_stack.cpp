@@ -1,0 +1,142 @@
+// The layer loop of a llama-family decode step in C++: for steps where every row is one new
+// token of its request and the weights are quantized, Python's per-layer dispatch (module calls,
+// views, contiguous copies, the attention plan lookups: ~20 torch ops a layer) cost about a
+// third of a one-stream step. ``DecodeStack`` holds the layers' weights once and runs the same
+// ops in the same order with the same kernels (quant_matmul, rotary_, the KV write,
+// cenote_attention::paged_attention, add_rms_norm_, silu_and_mul), so its results are
+// bit-identical to LlamaModel._forward_fused.
+
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cstring>
+#include <vector>
+
+// quant_linear.cpp / fused_ops.cpp
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group);
+void add_rms_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
+                   const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_t width);
+
+namespace {
+
+struct QuantLinear {
+  at::Tensor q, scale;
+  c10::optional<at::Tensor> mn, bias;
+  int64_t bits, group;
+
+  // As models/layers/quant.py quant_linear: fp32 activations in, the caller's dtype out.
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor out =
+        quant_matmul(x.to(at::kFloat).contiguous(), q, scale, mn, bits, group).to(x.scalar_type());
+    return bias.has_value() ? out + *bias : out;
+  }
+};
+
+struct Layer {
+  QuantLinear qkv, o, gate_up, down;
+  at::Tensor post_norm, next_norm;  // post-attention norm; the next layer's input norm (or final)
+  double post_eps, next_eps, scale;
+  int64_t cache_index;  // this layer's KV cache in the step's list
+};
+
+// Keys and values of the step's rows into their slots: cache [2, kv_heads, slots, dim].
+void write_kv(const at::Tensor& cache, const at::Tensor& qkv, int64_t k_col, int64_t v_col,
+              const at::Tensor& slot_mapping, int64_t kv_heads, int64_t dim) {
+  const int64_t rows = qkv.size(0), slots = cache.numel() / (2 * kv_heads * dim);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t elem = cache.element_size(), row_stride = qkv.stride(0);
+  char* base = static_cast<char*>(cache.data_ptr());
+  const char* src = static_cast<const char*>(qkv.data_ptr());
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < slots, "slot ", slot[r], " outside the cache");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t which = 0; which < 2; ++which) {
+        const int64_t col = (which == 0 ? k_col : v_col) + h * dim;
+        char* dst = base + (((which * kv_heads + h) * slots + slot[r]) * dim) * elem;
+        std::memcpy(dst, src + (r * row_stride + col) * elem, dim * elem);
+      }
+    }
+  }
+}
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim) {}
+
+  // Four calls (qkv, o, gate_up, down), then add_layer.
+  void add_linear(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> mn, int64_t bits,
+                  int64_t group, c10::optional<at::Tensor> bias) {
+    pending_.push_back({std::move(q), std::move(scale), std::move(mn), std::move(bias), bits, group});
+  }
+
+  void add_layer(at::Tensor post_norm, double post_eps, at::Tensor next_norm, double next_eps,
+                 double scale, int64_t cache_index) {
+    TORCH_CHECK(pending_.size() == 4, "add_layer needs 4 linears (qkv, o, gate_up, down), got ",
+                pending_.size());
+    layers_.push_back({pending_[0], pending_[1], pending_[2], pending_[3], std::move(post_norm),
+                       std::move(next_norm), post_eps, next_eps, scale, cache_index});
+    pending_.clear();
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // ``hidden``: the first layer's normed input; ``residual``: its un-normed input (updated in
+  // place). Returns the final norm's output. tables/starts/ends: each layer's decode plan.
+  at::Tensor run(at::Tensor residual, at::Tensor hidden, const at::Tensor& cos,
+                 const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
+                 const at::Tensor& slot_mapping, const std::vector<at::Tensor>& tables,
+                 const std::vector<at::Tensor>& starts, const std::vector<at::Tensor>& ends) {
+    const int64_t n = num_layers();
+    TORCH_CHECK(static_cast<int64_t>(tables.size()) == n &&
+                    static_cast<int64_t>(starts.size()) == n &&
+                    static_cast<int64_t>(ends.size()) == n,
+                "one decode plan per layer");
+    TORCH_CHECK(residual.is_contiguous() && hidden.is_contiguous(), "rows must be contiguous");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                    slot_mapping.numel() == hidden.size(0),
+                "slot_mapping must be int64 [rows]");
+    static auto paged = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("cenote_attention::paged_attention", "")
+                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, double, double)>();
+    const int64_t rows = hidden.size(0), q_size = heads_ * head_dim_;
+    const int64_t kv_size = kv_heads_ * head_dim_;
+    for (int64_t i = 0; i < n; ++i) {
+      const Layer& layer = layers_[i];
+      at::Tensor qkv = layer.qkv(hidden);
+      rotary_(qkv, cos, sin, q_size + kv_size);
+      const at::Tensor& cache = kv_caches.at(layer.cache_index);
+      TORCH_CHECK(cache.scalar_type() == qkv.scalar_type() && cache.is_contiguous(),
+                  "the KV cache must be contiguous in the activations' dtype");
+      write_kv(cache, qkv, q_size, q_size + kv_size, slot_mapping, kv_heads_, head_dim_);
+      at::Tensor q = qkv.slice(1, 0, q_size).view({rows, heads_, head_dim_});
+      at::Tensor attended = paged.call(q, cache, tables[i], starts[i], ends[i], layer.scale, 0.0);
+      at::Tensor out = layer.o(attended.view({rows, q_size}));
+      add_rms_norm_(out, residual, layer.post_norm, layer.post_eps);  // residual += attention
+      hidden = layer.down(silu_and_mul(layer.gate_up(out)));
+      add_rms_norm_(hidden, residual, layer.next_norm, layer.next_eps);  // residual += mlp
+    }
+    return hidden;
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  std::vector<QuantLinear> pending_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void bind_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t>())
+      .def("add_linear", &DecodeStack::add_linear)
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("run", &DecodeStack::run);
+}

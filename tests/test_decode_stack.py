@@ -1,0 +1,110 @@
+"""The C++ decode stack (cenote/kernels/decode_stack.cpp) against the Python layer loop it
+replaces (``LlamaModel._forward_fused``): bit-identical tokens and logprobs, on tiny quantized
+decoders (GQA, q/k/v biases, sliding-window layers next to full ones) and on SmolLM2's GGUF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from factories.decoders import GENERATION_DECODER, save_generation_decoder
+from factories.generation import make_llm, random_prompts, token_prompts
+from factories.seeded import hf_config, random_model
+
+from cenote import SamplingParams
+from cenote.kernels import quant_ops
+from cenote.models.layers.attention_kernels import attention_ops
+from cenote.models.llama import LlamaModel
+
+pytestmark = pytest.mark.skipif(
+    quant_ops() is None or attention_ops() is None, reason="C++ kernels not buildable"
+)
+
+# name -> (config class, causal-LM class, overrides)
+VARIANTS: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    # q/k/v biases; layer 1 slides over 5 positions, layer 0 sees everything
+    "qwen2_sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+        ),
+    ),
+}
+
+
+def _trunk(llm) -> LlamaModel:
+    trunk = llm.engine.runner.model.model
+    assert isinstance(trunk, LlamaModel)
+    return trunk
+
+
+def _run(llm, prompts, params, *, stack: bool, monkeypatch: pytest.MonkeyPatch):
+    calls = []
+    original = LlamaModel._decode_step
+
+    def decode_step(self, *args):
+        result = original(self, *args) if stack else None
+        calls.append(result is not None)
+        return result
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LlamaModel, "_decode_step", decode_step)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [
+        [sorted((t, lp.logprob) for t, lp in step.items()) for step in o.outputs[0].logprobs]
+        for o in outputs
+    ]
+    return tokens, logprobs, calls
+
+
+def _assert_same_as_python_loop(llm, prompts, params, monkeypatch) -> None:
+    tokens, logprobs, calls = _run(llm, prompts, params, stack=True, monkeypatch=monkeypatch)
+    assert any(calls), "the decode stack never ran"
+    assert not all(calls), "prefill steps must take the Python loop"
+    ref_tokens, ref_logprobs, _ = _run(llm, prompts, params, stack=False, monkeypatch=monkeypatch)
+    assert tokens == ref_tokens
+    assert logprobs == ref_logprobs
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_equals_python_loop(variant, dtype, tmp_path: Path, monkeypatch):
+    config_class, model_class, overrides = VARIANTS[variant]
+    config = hf_config(config_class, GENERATION_DECODER, overrides, {})
+    save_generation_decoder(tmp_path, random_model(model_class, config, seed=3))
+    # no prefix caching: the second run must compute its prompts as the first did
+    llm = make_llm(
+        tmp_path, dtype=dtype, quantization="int8", block_size=4, enable_prefix_caching=False
+    )
+    # 1 to 3 streams decode together (the stack's rows), past the window and block boundaries
+    prompts = token_prompts(random_prompts([3, 9, 14], seed=1))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    _assert_same_as_python_loop(llm, prompts, params, monkeypatch)
+    assert _trunk(llm)._decode_stack not in (None, False)
+
+
+def test_dense_models_keep_the_python_loop(tmp_path: Path):
+    """No quantized weights: no stack (its projections are the fused kernel's)."""
+    config_class, model_class, overrides = VARIANTS["llama"]
+    config = hf_config(config_class, GENERATION_DECODER, overrides, {})
+    save_generation_decoder(tmp_path, random_model(model_class, config, seed=3))
+    llm = make_llm(tmp_path)
+    llm.generate(token_prompts(random_prompts([4])), SamplingParams(max_tokens=3), use_tqdm=False)
+    assert _trunk(llm)._decode_stack is None
+
+
+def test_smollm2_stack_equals_python_loop(monkeypatch):
+    """SmolLM2's Q4_1 GGUF (w4 with mins, the Q8_0 tied head) decodes identically."""
+    from cenote import LLM
+    from cenote.models.gguf_loader import find_smollm2_gguf
+
+    llm = LLM(str(find_smollm2_gguf()), dtype="float32", enable_prefix_caching=False)
+    prompts = ["Write a haiku about the sea.", "What is 2 + 2?"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+    _assert_same_as_python_loop(llm, prompts, params, monkeypatch)
