@@ -67,22 +67,14 @@ def build_input_batch(
 def _slot_mapping(
     scheduled: list[ScheduledRequest], positions: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    """[num_tokens] flat KV slot of every new token: block_id * block_size + offset."""
-    block_of_token = []
-    for s in scheduled:
-        first, last = (
-            s.start_position // block_size,
-            (s.start_position + s.num_tokens - 1) // block_size,
-        )
-        counts = []
-        for b in range(first, last + 1):
-            lo = max(s.start_position, b * block_size)
-            hi = min(s.start_position + s.num_tokens, (b + 1) * block_size)
-            counts.append(hi - lo)
-        block_of_token.append(
-            torch.repeat_interleave(
-                torch.tensor(s.block_ids[first : last + 1]), torch.tensor(counts)
-            )
-        )
-    blocks = torch.cat(block_of_token) if block_of_token else torch.empty(0, dtype=torch.long)
+    """[num_tokens] flat KV slot of every new token: block_id * block_size + offset, in one
+    gather over the step's padded block tables (a fixed number of ops, whatever the batch)."""
+    if not scheduled:
+        return torch.empty(0, dtype=torch.long)
+    width = max(len(s.block_ids) for s in scheduled)
+    tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in scheduled])
+    request_of_token = torch.repeat_interleave(
+        torch.arange(len(scheduled)), torch.tensor([s.num_tokens for s in scheduled])
+    )
+    blocks = tables[request_of_token, positions // block_size]
     return blocks * block_size + positions % block_size

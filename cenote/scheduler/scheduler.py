@@ -220,7 +220,10 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         prompt_len = request.num_prompt_tokens
-        all_ids = request.prompt_token_ids if end <= prompt_len else request.all_token_ids
+        # the new tokens without concatenating prompt and output (O(new), not O(sequence))
+        new_ids = request.prompt_token_ids[start:end]
+        if end > prompt_len:
+            new_ids += request.output_token_ids[max(start - prompt_len, 0) : end - prompt_len]
         block_ids = (
             self.kv_cache_manager.get_block_ids(request.request_id)
             if self.kv_cache_manager is not None
@@ -231,7 +234,7 @@ class Scheduler:
             token_type_ids = request.token_type_ids[start:end]
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=all_ids[start:end],
+            token_ids=new_ids,
             start_position=start,
             block_ids=block_ids,
             prompt_token_ids=request.prompt_token_ids,
