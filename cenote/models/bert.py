@@ -11,7 +11,7 @@ from torch import nn
 from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
-from cenote.models.layers.linear import TrunkLinear
+from cenote.models.layers.linear import GELU_APPROXIMATE, TrunkLinear, linear_add, linear_gelu
 from cenote.models.weights import copy_weight
 
 
@@ -51,14 +51,22 @@ class BertLayer(nn.Module):
         self.attn_out = TrunkLinear(hidden, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=eps)
         self.intermediate = TrunkLinear(hidden, config["intermediate_size"])
-        self.act = get_activation(config.get("hidden_act", "gelu"))
+        activation = config.get("hidden_act", "gelu")
+        self.act = get_activation(activation)
+        self.gelu_approximate = GELU_APPROXIMATE.get(activation)  # None: not a GELU
         self.output = TrunkLinear(config["intermediate_size"], hidden)
         self.output_norm = nn.LayerNorm(hidden, eps=eps)
 
     def forward(self, x: torch.Tensor, mask_fn: EncoderMaskFn | None = None) -> torch.Tensor:
+        """The GELU and both residual adds run as the matmuls' epilogues (``linear_gelu``,
+        ``linear_add``): one rounding to the dtype each, not two."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        x = self.attn_norm(x + self.attn_out(self.attn(q, k, v, mask_fn)))
-        return self.output_norm(x + self.output(self.act(self.intermediate(x))))
+        x = self.attn_norm(linear_add(self.attn_out, self.attn(q, k, v, mask_fn), x))
+        if self.gelu_approximate is None:
+            inner = self.act(self.intermediate(x))
+        else:
+            inner = linear_gelu(self.intermediate, x, self.gelu_approximate)
+        return self.output_norm(linear_add(self.output, inner, x))
 
 
 # checkpoint name -> our name, for the parts of a layer whose names differ

@@ -54,6 +54,50 @@ class TrunkLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.weight, self._packed, self.bias)
 
+    def forward_gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        """``gelu(self(x))``: on a packed weight the GELU (erf or tanh) is the matmul's oneDNN
+        epilogue, applied to the fp32 accumulators before the one rounding to the dtype."""
+        if self._fusable(x):
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self._packed, self.bias, "gelu", [], approximate
+            )
+        return F.gelu(self(x), approximate=approximate)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``: on a packed weight the add is the matmul's oneDNN epilogue."""
+        if self._fusable(x) and residual.dtype == x.dtype and residual.is_contiguous():
+            return torch.ops.mkldnn._linear_pointwise.binary(
+                x, residual, self._packed, self.bias, "add"
+            )
+        return residual + self(x)
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        return (
+            self._packed is not None
+            and x.dim() == 2
+            and x.dtype == self.weight.dtype
+            and x.is_contiguous()
+        )
+
+
+# Hugging Face activation names that are a GELU -> oneDNN's GELU algorithm for them
+GELU_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+def linear_gelu(layer: nn.Module, x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``gelu(layer(x))``, fused into the matmul where ``layer`` is a packed ``TrunkLinear``."""
+    if isinstance(layer, TrunkLinear):
+        return layer.forward_gelu(x, approximate)
+    return F.gelu(layer(x), approximate=approximate)
+
+
+def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + layer(x)``, fused into the matmul where ``layer`` is a packed
+    ``TrunkLinear``."""
+    if isinstance(layer, TrunkLinear):
+        return layer.forward_add(x, residual)
+    return residual + layer(x)
+
 
 def prepack_trunk(model: nn.Module) -> int:
     """Prepack every ``TrunkLinear`` of ``model``; returns how many were packed."""
