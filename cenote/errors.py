@@ -33,7 +33,8 @@ class EngineDeadError(CenoteError, RuntimeError):
 
 
 class RequestRejectedError(InvalidInputError):
-    """The engine core refused a request as given (e.g. it can never fit one step)."""
+    """The engine core refused to add a request as given (a ``ValueError`` of
+    ``EngineCore.add_request``, e.g. a request id already in the engine)."""
 
 
 class RequestFailedError(CenoteError, RuntimeError):

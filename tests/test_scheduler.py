@@ -192,12 +192,12 @@ def test_max_num_seqs_limits_a_step() -> None:
     assert sizes == [["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6"]]
 
 
-def test_unchunkable_request_longer_than_budget_is_rejected() -> None:
+def test_encoder_prompt_of_the_whole_budget_runs_in_one_step() -> None:
+    """A longer one never reaches the scheduler: the input processor holds prompts to
+    max_model_len, EngineConfig the budget of unchunked prompts to at least that
+    (test_bad_input, test_engine_args)."""
     scheduler = _encoder_scheduler(budget=16)
-    with pytest.raises(ValueError, match=r"17 tokens.*max_num_batched_tokens is 16"):
-        scheduler.add_request(_pooling("too-long", 17))
-    assert not scheduler.has_unfinished_requests() and not scheduler.requests
-    scheduler.add_request(_pooling("fits", 16))  # exactly the budget is fine
+    scheduler.add_request(_pooling("fits", 16))
     assert _run(scheduler) == {"fits": 0}
 
 

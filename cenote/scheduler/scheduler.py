@@ -29,6 +29,9 @@ class Scheduler:
         ] = frozenset(),  # pooling tasks that read only the last token
         max_model_len: int = 1 << 30,  # generation stops here
     ) -> None:
+        # encoders have no KV cache and their prompts are computed whole (create_engine_config
+        # turns chunked prefill off for them, which is what EngineConfig checks the budget by)
+        assert kv_cache_manager is not None or not scheduler_config.enable_chunked_prefill
         self.max_model_len = max_model_len
         self.config = scheduler_config
         self.prefix_cacheable_tasks = prefix_cacheable_tasks
@@ -44,11 +47,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        if not self._can_chunk(request) and request.num_tokens > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"request {request.request_id} has {request.num_tokens} tokens and cannot be "
-                f"split, but max_num_batched_tokens is {self.config.max_num_batched_tokens}"
-            )
+        # Unreachable from LLM or the server, so an invariant and not a refusal: the input
+        # processor cuts or refuses every prompt longer than max_model_len, and EngineConfig
+        # refuses a budget below max_model_len where prompts are not chunked (encoders).
+        fits = self._can_chunk(request) or request.num_tokens <= self.config.max_num_batched_tokens
+        assert fits, (
+            f"request {request.request_id} has {request.num_tokens} tokens and cannot be split, "
+            f"but max_num_batched_tokens is {self.config.max_num_batched_tokens}"
+        )
         self.requests[request.request_id] = request
         self._enqueue(request)
 
@@ -98,7 +104,7 @@ class Scheduler:
 
     def _can_chunk(self, request: Request) -> bool:
         """Causal requests may be split across steps; encoder prompts are computed whole."""
-        return self.kv_cache_manager is not None and self.config.enable_chunked_prefill
+        return self.config.enable_chunked_prefill
 
     def _can_use_prefix_cache(self, request: Request) -> bool:
         """Skipping cached tokens is safe unless the pooler must see every token's hidden state
