@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cenote.engine.core import _MAX_CONSECUTIVE_STEP_FAILURES
-from cenote.errors import RequestFailedError
+from cenote.errors import RequestFailedError, RequestRejectedError
 from cenote.scheduler.request import Request
 
 
@@ -62,3 +62,35 @@ def test_a_request_id_already_in_the_engine_is_refused(llm):
             scheduler.add_request(Request("same", [101, 102], None, None))
     finally:
         scheduler.finish_requests(["same"], first.status.FINISHED_ABORTED)
+
+
+@pytest.mark.parametrize(
+    ("raised", "error", "message"),
+    [
+        (ValueError("cannot take this one"), RequestRejectedError, "^cannot take this one$"),
+        (
+            TypeError("a core bug"),
+            RequestFailedError,
+            "failed in the engine: TypeError: a core bug",
+        ),
+    ],
+)
+def test_a_request_the_core_refuses_reaches_the_caller_with_its_cause(
+    llm, monkeypatch, raised, error, message
+):
+    """The core's own refusal (a ValueError of add_request: the input's fault) keeps its
+    message; anything else it raises is a failure naming the request. The requests of the
+    same call already added are taken back (the fixture checks the engine is idle)."""
+    add_request = llm.engine.add_request
+    added = []
+
+    def refuse_the_second(request):
+        if added:
+            raise raised
+        added.append(request.request_id)
+        add_request(request)
+
+    monkeypatch.setattr(llm.engine, "add_request", refuse_the_second)
+    with pytest.raises(error, match=message):
+        llm.embed(["first", "second", "third"])
+    assert len(added) == 1
