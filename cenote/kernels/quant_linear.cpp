@@ -35,25 +35,74 @@ inline float to_float(c10::Half v) { return _cvtsh_ss(v.x); }
 inline float to_float(c10::Half v) { return static_cast<float>(v); }
 #endif
 
-#if defined(__AVX512F__)
-// 16 lanes: a 32-weight group is two registers.
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-// Weights of one 4-bit group as fp32 (elements 0-15, 16-31), before scale and min.
-inline void w4_unpack(const uint8_t* qg, __m512& lo, __m512& hi) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define CENOTE_VEC 1
+// A 4-bit group's 16 bytes split into low nibbles (elements 0-15) and high (16-31), as bytes.
+inline void nibbles(const uint8_t* qg, __m128i& lo, __m128i& hi) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
   const __m128i mask = _mm_set1_epi8(0x0F);
-  lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-  hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+  lo = _mm_and_si128(bytes, mask);
+  hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+
+// Vec: the vector ISA's register of fp32 lanes and the operations the matmul loop below is
+// written against, once for both ISAs. The operations both spell alike but for the
+// intrinsics' prefix P (_mm512 / _mm256) come from this macro: REG holds LANES fp32 values,
+// BYTES loads LANES int8 weights into the low bytes of an __m128i.
+#define CENOTE_VEC_OPS(P, REG, LANES, BYTES)                                               \
+  using T = REG;                                                                           \
+  static constexpr int kLanes = LANES;                                                     \
+  static T zero() { return P##_setzero_ps(); }                                             \
+  static T set1(float v) { return P##_set1_ps(v); }                                        \
+  static T load(const float* p) { return P##_loadu_ps(p); }                                \
+  static T mul(T a, T b) { return P##_mul_ps(a, b); }                                      \
+  static T fmadd(T a, T b, T c) { return P##_fmadd_ps(a, b, c); }                          \
+  /* LANES unsigned bytes (nibbles) / LANES int8 weights as fp32 */                        \
+  static T from_u8(__m128i b) { return P##_cvtepi32_ps(P##_cvtepu8_epi32(b)); }            \
+  static T load_i8(const int8_t* p) {                                                      \
+    return P##_cvtepi32_ps(P##_cvtepi8_epi32(BYTES(reinterpret_cast<const __m128i*>(p)))); \
+  }
 #endif
+
+#if defined(__AVX512F__)
+// 16 lanes: a 32-weight group is two registers.
+struct Vec {
+  CENOTE_VEC_OPS(_mm512, __m512, 16, _mm_loadu_si128)
+  static float hsum(T v) { return _mm512_reduce_add_ps(v); }
+  // One 4-bit group as fp32 weights 0-15, 16-31, before scale and min.
+  static void w4_unpack(const uint8_t* qg, T* w) {
+    __m128i lo, hi;
+    nibbles(qg, lo, hi);
+    w[0] = from_u8(lo);
+    w[1] = from_u8(hi);
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 lanes: a 32-weight group is four registers.
+struct Vec {
+  CENOTE_VEC_OPS(_mm256, __m256, 8, _mm_loadl_epi64)
+  static float hsum(T v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  // One 4-bit group as fp32 weights 0-7, 8-15, 16-23, 24-31.
+  static void w4_unpack(const uint8_t* qg, T* w) {
+    __m128i lo, hi;
+    nibbles(qg, lo, hi);
+    w[0] = from_u8(lo);
+    w[1] = from_u8(_mm_srli_si128(lo, 8));
+    w[2] = from_u8(hi);
+    w[3] = from_u8(_mm_srli_si128(hi, 8));
+  }
+};
+#endif
+#undef CENOTE_VEC_OPS
+
+// The row kernels below are inlined into the loop over output rows by force: left to GCC's
+// heuristics, which instantiations it inlined changed with the code's shape and cost up to 15%.
+#define CENOTE_INLINE inline __attribute__((always_inline))
 
 // sum_g min_g * sum(x_g) for each of MB activation rows (0 without mins).
 template <typename S, bool HAS_MIN, int MB>
@@ -67,128 +116,6 @@ inline void min_terms(const float* xsum, int64_t groups, const S* mn, float* mac
     for (int64_t g = 0; g < groups; ++g) s += to_float(mn[g]) * xs[g];
     macc[m] = s;
   }
-}
-
-// One output row of a 4-bit weight against MB activation rows:
-// out[m] = sum_g scale_g * (q_g . x_g) + min_g * sum(x_g).
-template <typename S, bool HAS_MIN, int MB>
-inline void w4_row(const float* x, int64_t ldx, const float* xsum, int64_t groups,
-                   const uint8_t* q, const S* scale, const S* mn, float* out, int64_t ldo) {
-  float macc[MB];
-  min_terms<S, HAS_MIN, MB>(xsum, groups, mn, macc);
-#if defined(__AVX512F__)
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 lo, hi;
-    w4_unpack(q + g * 16, lo, hi);
-    const __m512 d = _mm512_set1_ps(to_float(scale[g]));
-    for (int m = 0; m < MB; ++m) {
-      const float* xg = x + m * ldx + g * 32;
-      __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xg));
-      t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), t);
-      acc[m] = _mm512_fmadd_ps(t, d, acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[m * ldo] = hsum(acc[m]) + macc[m];
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
-    const __m128i lo = _mm_and_si128(bytes, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-    const __m256 d = _mm256_set1_ps(to_float(scale[g]));
-    for (int m = 0; m < MB; ++m) {
-      const float* xg = x + m * ldx + g * 32;
-      __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-      t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), t);
-      t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), t);
-      t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), t);
-      acc[m] = _mm256_fmadd_ps(t, d, acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[m * ldo] = hsum(acc[m]) + macc[m];
-#else
-  float acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* qg = q + g * 16;
-    const float d = to_float(scale[g]);
-    for (int m = 0; m < MB; ++m) {
-      const float* xg = x + m * ldx + g * 32;
-      float t = 0.f;
-      for (int j = 0; j < 16; ++j)
-        t += static_cast<float>(qg[j] & 0x0F) * xg[j] + static_cast<float>(qg[j] >> 4) * xg[j + 16];
-      acc[m] += d * t;
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[m * ldo] = acc[m] + macc[m];
-#endif
-}
-
-// One output row of an 8-bit weight (group G) against MB activation rows.
-template <typename S, bool HAS_MIN, int G, int MB>
-inline void w8_row(const float* x, int64_t ldx, const float* xsum, int64_t groups,
-                   const int8_t* q, const S* scale, const S* mn, float* out, int64_t ldo) {
-  float macc[MB];
-  min_terms<S, HAS_MIN, MB>(xsum, groups, mn, macc);
-#if defined(__AVX512F__)
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* qg = q + g * G;
-    const __m512 d = _mm512_set1_ps(to_float(scale[g]));
-    __m512 w[G / 16];
-    for (int i = 0; i < G / 16; ++i)
-      w[i] = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16 * i))));
-    for (int m = 0; m < MB; ++m) {
-      const float* xg = x + m * ldx + g * G;
-      __m512 t = _mm512_mul_ps(w[0], _mm512_loadu_ps(xg));
-      for (int i = 1; i < G / 16; ++i) t = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(xg + 16 * i), t);
-      acc[m] = _mm512_fmadd_ps(t, d, acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[m * ldo] = hsum(acc[m]) + macc[m];
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* qg = q + g * G;
-    const __m256 d = _mm256_set1_ps(to_float(scale[g]));
-    __m256 w[G / 8];
-    for (int i = 0; i < G / 8; ++i)
-      w[i] = _mm256_cvtepi32_ps(
-          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + 8 * i))));
-    for (int m = 0; m < MB; ++m) {
-      const float* xg = x + m * ldx + g * G;
-      __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
-      for (int i = 1; i < G / 8; ++i) t = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xg + 8 * i), t);
-      acc[m] = _mm256_fmadd_ps(t, d, acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[m * ldo] = hsum(acc[m]) + macc[m];
-#else
-  float acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* qg = q + g * G;
-    const float d = to_float(scale[g]);
-    for (int m = 0; m < MB; ++m) {
-      const float* xg = x + m * ldx + g * G;
-      float t = 0.f;
-      for (int j = 0; j < G; ++j) t += static_cast<float>(qg[j]) * xg[j];
-      acc[m] += d * t;
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[m * ldo] = acc[m] + macc[m];
-#endif
 }
 
 // Sums of each activation row over each group (the min term: sum_j x_j * (d q_j + m)
@@ -215,78 +142,129 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-template <typename S, bool HAS_MIN>
-void w4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-               const at::Tensor* mn, at::Tensor& out) {
+#if defined(CENOTE_VEC)
+// Group g of a row's BITS-bit weights (q: the row's bytes) as G / kLanes registers in element
+// order, before scale and min.
+template <int BITS, int G>
+CENOTE_INLINE void expand_group(const uint8_t* q, int64_t g, Vec::T* w) {
+  if constexpr (BITS == 4) {
+    Vec::w4_unpack(q + g * 16, w);
+  } else {
+    const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * G;
+    for (int i = 0; i < G / Vec::kLanes; ++i) w[i] = Vec::load_i8(qg + Vec::kLanes * i);
+  }
+}
+
+// sum_g scale_g * (q_g . x_g) + macc[m] for each of MB activation rows.
+template <typename S, int BITS, int G, int MB>
+CENOTE_INLINE void row_dots(const float* x, int64_t ldx, int64_t groups, const uint8_t* q,
+                            const S* scale, const float* macc, float* out, int64_t ldo) {
+  constexpr int R = G / Vec::kLanes;
+  Vec::T acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = Vec::zero();
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec::T w[R];
+    expand_group<BITS, G>(q, g, w);
+    const Vec::T d = Vec::set1(to_float(scale[g]));
+    for (int m = 0; m < MB; ++m) {
+      const float* xg = x + m * ldx + g * G;
+      Vec::T t = Vec::mul(w[0], Vec::load(xg));
+      for (int i = 1; i < R; ++i) t = Vec::fmadd(w[i], Vec::load(xg + Vec::kLanes * i), t);
+      acc[m] = Vec::fmadd(t, d, acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m * ldo] = Vec::hsum(acc[m]) + macc[m];
+}
+#else
+// The dot product of group g of a row's BITS-bit weights (q: the row's bytes) with x_g.
+template <int BITS, int G>
+CENOTE_INLINE float group_dot(const uint8_t* q, int64_t g, const float* xg) {
+  float t = 0.f;
+  if constexpr (BITS == 4) {
+    const uint8_t* qg = q + g * 16;
+    for (int j = 0; j < 16; ++j)
+      t += static_cast<float>(qg[j] & 0x0F) * xg[j] + static_cast<float>(qg[j] >> 4) * xg[j + 16];
+  } else {
+    const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * G;
+    for (int j = 0; j < G; ++j) t += static_cast<float>(qg[j]) * xg[j];
+  }
+  return t;
+}
+
+// The same without vectors.
+template <typename S, int BITS, int G, int MB>
+CENOTE_INLINE void row_dots(const float* x, int64_t ldx, int64_t groups, const uint8_t* q,
+                            const S* scale, const float* macc, float* out, int64_t ldo) {
+  float acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float d = to_float(scale[g]);
+    for (int m = 0; m < MB; ++m) acc[m] += d * group_dot<BITS, G>(q, g, x + m * ldx + g * G);
+  }
+  for (int m = 0; m < MB; ++m) out[m * ldo] = acc[m] + macc[m];
+}
+#endif
+
+// One output row of a BITS-bit weight (q: the row's bytes) against MB activation rows:
+// out[m] = sum_g scale_g * (q_g . x_g) + min_g * sum(x_g).
+template <typename S, bool HAS_MIN, int BITS, int G, int MB>
+CENOTE_INLINE void quant_row(const float* x, int64_t ldx, const float* xsum, int64_t groups,
+                             const uint8_t* q, const S* scale, const S* mn, float* out,
+                             int64_t ldo) {
+  float macc[MB];
+  min_terms<S, HAS_MIN, MB>(xsum, groups, mn, macc);
+  row_dots<S, BITS, G, MB>(x, ldx, groups, q, scale, macc, out, ldo);
+}
+
+// out [M, N] = x [M, K] @ dequant(q).T for a BITS-bit weight in groups of G, rows of x taken
+// 4, then 2, then 1 at a time.
+template <typename S, bool HAS_MIN, int BITS, int G>
+void quant_matmul_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const at::Tensor* mn, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  const int64_t groups = K / 32;
-  at::Tensor xsum = HAS_MIN ? group_sums(x, 32) : at::Tensor();
+  const int64_t groups = K / G, row_bytes = K * BITS / 8;
+  at::Tensor xsum = HAS_MIN ? group_sums(x, G) : at::Tensor();
   const float* xp = x.data_ptr<float>();
   const float* xs = HAS_MIN ? xsum.data_ptr<float>() : nullptr;
-  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const S* sp = scale.data_ptr<S>();
   const S* mp = HAS_MIN ? mn->data_ptr<S>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* qn = qp + n * (K / 2);
+      const uint8_t* qn = qp + n * row_bytes;
       const S* sn = sp + n * groups;
       const S* mnn = HAS_MIN ? mp + n * groups : nullptr;
       if (n + kPrefetchRows < n1) {
-        prefetch(qn + kPrefetchRows * (K / 2), K / 2);
+        prefetch(qn + kPrefetchRows * row_bytes, row_bytes);
         prefetch(sn + kPrefetchRows * groups, groups * sizeof(S));
         if (HAS_MIN) prefetch(mnn + kPrefetchRows * groups, groups * sizeof(S));
       }
       int64_t m = 0;
       for (; m + 4 <= M; m += 4)
-        w4_row<S, HAS_MIN, 4>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr, groups, qn,
-                              sn, mnn, op + m * N + n, N);
+        quant_row<S, HAS_MIN, BITS, G, 4>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr,
+                                          groups, qn, sn, mnn, op + m * N + n, N);
       for (; m + 2 <= M; m += 2)
-        w4_row<S, HAS_MIN, 2>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr, groups, qn,
-                              sn, mnn, op + m * N + n, N);
+        quant_row<S, HAS_MIN, BITS, G, 2>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr,
+                                          groups, qn, sn, mnn, op + m * N + n, N);
       for (; m < M; ++m)
-        w4_row<S, HAS_MIN, 1>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr, groups, qn,
-                              sn, mnn, op + m * N + n, N);
+        quant_row<S, HAS_MIN, BITS, G, 1>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr,
+                                          groups, qn, sn, mnn, op + m * N + n, N);
     }
   });
 }
 
-template <typename S, bool HAS_MIN, int G>
-void w8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-               const at::Tensor* mn, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  const int64_t groups = K / G;
-  at::Tensor xsum = HAS_MIN ? group_sums(x, G) : at::Tensor();
-  const float* xp = x.data_ptr<float>();
-  const float* xs = HAS_MIN ? xsum.data_ptr<float>() : nullptr;
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const S* sp = scale.data_ptr<S>();
-  const S* mp = HAS_MIN ? mn->data_ptr<S>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* qn = qp + n * K;
-      const S* sn = sp + n * groups;
-      const S* mnn = HAS_MIN ? mp + n * groups : nullptr;
-      if (n + kPrefetchRows < n1) {
-        prefetch(qn + kPrefetchRows * K, K);
-        prefetch(sn + kPrefetchRows * groups, groups * sizeof(S));
-        if (HAS_MIN) prefetch(mnn + kPrefetchRows * groups, groups * sizeof(S));
-      }
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4)
-        w8_row<S, HAS_MIN, G, 4>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr, groups,
-                                 qn, sn, mnn, op + m * N + n, N);
-      for (; m + 2 <= M; m += 2)
-        w8_row<S, HAS_MIN, G, 2>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr, groups,
-                                 qn, sn, mnn, op + m * N + n, N);
-      for (; m < M; ++m)
-        w8_row<S, HAS_MIN, G, 1>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr, groups,
-                                 qn, sn, mnn, op + m * N + n, N);
-    }
-  });
+template <typename S, bool HAS_MIN>
+void quant_matmul_layout(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                         const at::Tensor* mn, int64_t bits, int64_t group, at::Tensor& out) {
+  if (bits == 4) {
+    quant_matmul_rows<S, HAS_MIN, 4, 32>(x, q, scale, mn, out);
+  } else if (group == 16) {
+    quant_matmul_rows<S, HAS_MIN, 8, 16>(x, q, scale, mn, out);
+  } else {
+    quant_matmul_rows<S, HAS_MIN, 8, 32>(x, q, scale, mn, out);
+  }
 }
 
 void check_args(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
@@ -325,23 +303,13 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tens
   if (x.size(0) == 0) return out;
   const at::Tensor* mp = mn.has_value() ? &*mn : nullptr;
   const bool half = scale.scalar_type() == at::kHalf;
-#define CENOTE_W8(S, HM)                                              \
-  (group == 16 ? w8_matmul<S, HM, 16>(x, q, scale, mp, out)           \
-               : w8_matmul<S, HM, 32>(x, q, scale, mp, out))
-  if (bits == 4) {
-    if (half) {
-      mp ? w4_matmul<c10::Half, true>(x, q, scale, mp, out)
-         : w4_matmul<c10::Half, false>(x, q, scale, mp, out);
-    } else {
-      mp ? w4_matmul<float, true>(x, q, scale, mp, out)
-         : w4_matmul<float, false>(x, q, scale, mp, out);
-    }
-  } else if (half) {
-    mp ? CENOTE_W8(c10::Half, true) : CENOTE_W8(c10::Half, false);
+  if (half) {
+    mp ? quant_matmul_layout<c10::Half, true>(x, q, scale, mp, bits, group, out)
+       : quant_matmul_layout<c10::Half, false>(x, q, scale, mp, bits, group, out);
   } else {
-    mp ? CENOTE_W8(float, true) : CENOTE_W8(float, false);
+    mp ? quant_matmul_layout<float, true>(x, q, scale, mp, bits, group, out)
+       : quant_matmul_layout<float, false>(x, q, scale, mp, bits, group, out);
   }
-#undef CENOTE_W8
   return out;
 }
 
@@ -394,15 +362,14 @@ void dequant_rows(const at::Tensor& q, const at::Tensor& scale, const at::Tensor
 #if defined(__AVX512F__)
         const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
         if (bits == 4) {
-          __m512 lo, hi;
-          w4_unpack(q4 + n * (K / 2) + g * 16, lo, hi);
-          store16(_mm512_add_ps(_mm512_mul_ps(lo, dv), mv), row + g * 32);
-          store16(_mm512_add_ps(_mm512_mul_ps(hi, dv), mv), row + g * 32 + 16);
+          __m512 w[2];
+          Vec::w4_unpack(q4 + n * (K / 2) + g * 16, w);
+          store16(_mm512_add_ps(_mm512_mul_ps(w[0], dv), mv), row + g * 32);
+          store16(_mm512_add_ps(_mm512_mul_ps(w[1], dv), mv), row + g * 32 + 16);
         } else {
           const int8_t* qg = q8 + n * K + g * group;
           for (int64_t i = 0; i < group; i += 16) {
-            const __m512 w = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + i))));
+            const __m512 w = Vec::load_i8(qg + i);
             store16(_mm512_add_ps(_mm512_mul_ps(w, dv), mv), row + g * group + i);
           }
         }
