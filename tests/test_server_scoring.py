@@ -51,13 +51,10 @@ def cross(cross_encoder_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def minilm():
-    server = ServerProcess("--dtype", "float32", "--num-threads", "1")
-    try:
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            yield client
-    finally:
-        server.stop()
+def minilm(default_server):
+    """The session's default-model server (conftest), shared with other modules."""
+    with httpx.Client(base_url=default_server.url, timeout=60) as client:
+        yield client
 
 
 def _offline_scores(llm: LLM, text_1, text_2, **kwargs) -> list[float]:

@@ -126,17 +126,10 @@ def test_classifier_without_id2label_names_labels_as_transformers(tmp_path: Path
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from tests.factories.generation import smollm2_path
-
-    server = ServerProcess(
-        str(smollm2_path()), "--dtype", "float32", "--num-threads", "1", "--max-model-len", "256"
-    )  # fmt: skip
-    try:
-        with httpx.Client(base_url=server.url, timeout=120) as client:
-            yield client
-    finally:
-        server.stop()
+def smol(smollm2_server):
+    """The session's SmolLM2 server (conftest), shared with other modules."""
+    with httpx.Client(base_url=smollm2_server.url, timeout=120) as client:
+        yield client
 
 
 def _stream(client: httpx.Client, body: dict, route: str = "/v1/completions") -> list[dict]:
