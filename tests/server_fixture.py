@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -73,6 +75,19 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log()}")
 
+    def num_steps(self) -> int:
+        """Engine steps that scheduled tokens so far (all cores), from ``/metrics``."""
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
+        name = "cenote_scheduled_tokens_per_step_count"
+        match = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+        return int(float(match.group(1))) if match else 0
+
+    def wait_for_steps(self, after: int, timeout_s: float = 60.0) -> None:
+        """Until the engine has run a step more than ``after`` (``num_steps()`` read before a
+        request was sent): the request reached the engine. In async tests:
+        ``await asyncio.to_thread(server.wait_for_steps, before)``."""
+        wait_until(lambda: self.num_steps() > after, "an engine step", timeout_s)
+
     def engine_pid(self) -> int:
         """The (first) engine-core child (not multiprocessing's resource tracker)."""
         return self.engine_pids()[0]
@@ -100,6 +115,15 @@ class ServerProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         return self.process.returncode
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``condition`` until it holds: a test waits for a state, never for a fixed time."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} after {timeout_s} s")
+        time.sleep(0.05)
 
 
 def _children(pid: int) -> list[int]:

@@ -59,8 +59,9 @@ def test_one_core_dying_fails_only_its_requests(dp_server, llm_fp32):
     expected = {t: o.outputs.data for t, o in zip(TEXTS, llm_fp32.embed(TEXTS), strict=True)}
 
     async def run() -> list[list[float] | int]:
+        before = dp_server.num_steps()
         load = asyncio.create_task(_embed_all(dp_server.url, TEXTS * 4, 8))
-        await asyncio.sleep(0.3)
+        await asyncio.to_thread(dp_server.wait_for_steps, before)  # the load is running
         os.kill(dp_server.engine_pids()[1], signal.SIGKILL)
         return await load
 

@@ -181,9 +181,10 @@ def test_sigterm_drains_in_flight_requests(server):
             f"{server.url}/v1/embeddings", json=body, headers=server.headers, timeout=60
         )
 
+    before = server.num_steps()
     thread = threading.Thread(target=send)
     thread.start()
-    time.sleep(0.3)
+    server.wait_for_steps(before)  # in flight
     server.process.send_signal(signal.SIGTERM)
     thread.join(60)
     assert result["response"].status_code == 200
@@ -200,9 +201,10 @@ def test_engine_death_fails_fast_and_exits_nonzero():
         def send() -> None:
             result["response"] = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60)
 
+        before = server.num_steps()
         thread = threading.Thread(target=send)
         thread.start()
-        time.sleep(0.5)
+        server.wait_for_steps(before)  # in flight
         killed_at = time.monotonic()
         os.kill(server.engine_pid(), signal.SIGKILL)
         thread.join(10)

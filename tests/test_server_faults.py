@@ -16,6 +16,8 @@ import time
 import httpx
 import pytest
 
+from tests.server_fixture import wait_until
+
 BIG = 18446744073709551616  # 2**64: outside every int64 field
 
 
@@ -57,13 +59,14 @@ def test_client_request_ids_never_collide_in_the_engine(smollm2_server):
 
     async def run() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=smollm2_server.url, timeout=120) as client:
+            before = smollm2_server.num_steps()
             completion = asyncio.create_task(
                 client.post(
                     "/v1/completions",
                     json={"prompt": "a b c", "max_tokens": 24, "n": 2, "request_id": "rid"},
                 )
             )
-            await asyncio.sleep(0.3)
+            await asyncio.to_thread(smollm2_server.wait_for_steps, before)  # in flight
             embedding = client.post("/v1/embeddings", json={"input": "x", "request_id": "rid-0"})
             same = client.post("/v1/embeddings", json={"input": "y", "request_id": "rid"})
             return await completion, await embedding, await same
@@ -120,8 +123,9 @@ def test_small_requests_flow_while_a_maximal_one_runs(default_server):
                 assert response.status_code == 200, response.text
                 order.append(name)
 
+            before = default_server.num_steps()
             big_task = asyncio.create_task(send("big", big))
-            await asyncio.sleep(0.3)
+            await asyncio.to_thread(default_server.wait_for_steps, before)  # big is running
             health = await client.get("/health")
             assert health.status_code == 200
             await asyncio.gather(*(send(f"small{i}", {"input": "a query"}) for i in range(3)))
@@ -133,6 +137,10 @@ def test_small_requests_flow_while_a_maximal_one_runs(default_server):
 
 
 # ---- clean ends --------------------------------------------------------------------------------
+
+
+def _health(server) -> httpx.Response:
+    return httpx.get(f"{server.url}/health", timeout=10)
 
 
 def _ipc_dirs() -> set[str]:
@@ -156,13 +164,11 @@ def test_hung_core_fails_health_and_a_group_signal_drains_and_exits_0():
         core = server.engine_pid()
         os.kill(core, signal.SIGSTOP)
         try:
-            time.sleep(2.5)
-            health = httpx.get(f"{server.url}/health", timeout=10)
-            assert health.status_code == 503 and "hung" in health.json()["error"]["message"]
+            wait_until(lambda: _health(server).status_code == 503, "hung /health", 20)
+            assert "hung" in _health(server).json()["error"]["message"]
         finally:
             os.kill(core, signal.SIGCONT)
-        time.sleep(1.0)  # the next heartbeat
-        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        wait_until(lambda: _health(server).status_code == 200, "heartbeat", 20)
 
         result = {}
         body = {"input": ["word " * 300] * 128, "truncate_prompt_tokens": -1}
@@ -170,9 +176,10 @@ def test_hung_core_fails_health_and_a_group_signal_drains_and_exits_0():
         def send() -> None:
             result["response"] = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=120)
 
+        before = server.num_steps()
         thread = threading.Thread(target=send)
         thread.start()
-        time.sleep(0.5)
+        server.wait_for_steps(before)  # in flight
         os.killpg(server.process.pid, signal.SIGTERM)
         thread.join(120)
         assert result["response"].status_code == 200
