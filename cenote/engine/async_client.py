@@ -83,6 +83,8 @@ class AsyncEngineClient:
         self.executor = executor
         self.ray_address = ray_address
         self._launcher: CoreLauncher | None = None
+        self._context: zmq.asyncio.Context | None = None  # with the sockets, from start()
+        self._output_task: asyncio.Task[None] | None = None  # reads the core's messages
         self._last_heard = time.monotonic()  # the core's last message (heartbeat or outputs)
         self._closing = False
 
@@ -93,10 +95,10 @@ class AsyncEngineClient:
         launcher = make_launcher(self.executor, self.ray_address)
         self._launcher = launcher
         (bind_in, connect_in), (bind_out, connect_out) = launcher.addresses()
-        self._context = zmq.asyncio.Context(io_threads=1)
-        self._inputs = self._context.socket(zmq.PUSH)
+        self._context = context = zmq.asyncio.Context(io_threads=1)
+        self._inputs = context.socket(zmq.PUSH)
         self._inputs.bind(bind_in)
-        self._outputs = self._context.socket(zmq.PULL)
+        self._outputs = context.socket(zmq.PULL)
         self._outputs.bind(bind_out)
         launcher.start(self.config, connect_in, connect_out)
         while not await self._outputs.poll(100):
@@ -126,9 +128,9 @@ class AsyncEngineClient:
             if self.dead_reason is None and self._launcher.exit_reason() is None:
                 self._send(Shutdown())
             await self._launcher.stop(timeout)
-        if getattr(self, "_output_task", None) is not None:
+        if self._output_task is not None:
             self._output_task.cancel()
-        if getattr(self, "_context", None) is not None:
+        if self._context is not None:
             self._inputs.close(linger=0)
             self._outputs.close(linger=0)
             self._context.term()
