@@ -1,6 +1,7 @@
 """The C++ decode stack (cenote/kernels/decode_stack.cpp) against the Python layer loop it
 replaces (``LlamaModel._forward_fused``): bit-identical tokens and logprobs, on tiny quantized
-decoders (GQA, q/k/v biases, sliding-window layers next to full ones) and on SmolLM2's GGUF."""
+and dense decoders (GQA, q/k/v biases, sliding-window layers next to full ones) and on SmolLM2's
+GGUF."""
 
 from __future__ import annotations
 
@@ -72,31 +73,56 @@ def _assert_same_as_python_loop(llm, prompts, params, monkeypatch) -> None:
     assert logprobs == ref_logprobs
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stack_equals_python_loop(variant, dtype, tmp_path: Path, monkeypatch):
+def _save(tmp_path: Path, variant: str) -> Path:
     config_class, model_class, overrides = VARIANTS[variant]
     config = hf_config(config_class, GENERATION_DECODER, overrides, {})
     save_generation_decoder(tmp_path, random_model(model_class, config, seed=3))
+    return tmp_path
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["int8", "none"])
+def test_stack_equals_python_loop(variant, dtype, quantization, tmp_path: Path, monkeypatch):
+    """Quantized projections (the fused kernel up to their row limit, then their dense copy)
+    and dense ones (oneDNN-prepacked) alike."""
     # no prefix caching: the second run must compute its prompts as the first did
     llm = make_llm(
-        tmp_path, dtype=dtype, quantization="int8", block_size=4, enable_prefix_caching=False
+        _save(tmp_path, variant),
+        dtype=dtype,
+        quantization=quantization,
+        block_size=4,
+        enable_prefix_caching=False,
     )
-    # 1 to 3 streams decode together (the stack's rows), past the window and block boundaries
-    prompts = token_prompts(random_prompts([3, 9, 14], seed=1))
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    # 1 to 6 streams decode together (past bf16's 4-row limit of the fused kernel), past the
+    # window and block boundaries
+    prompts = token_prompts(random_prompts([3, 9, 14, 5, 7, 4], seed=1))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3)
+        for n in (12, 4, 9, 12, 2, 7)
+    ]
     _assert_same_as_python_loop(llm, prompts, params, monkeypatch)
     assert _trunk(llm)._decode_stack not in (None, False)
 
 
-def test_dense_models_keep_the_python_loop(tmp_path: Path):
-    """No quantized weights: no stack (its projections are the fused kernel's)."""
-    config_class, model_class, overrides = VARIANTS["llama"]
-    config = hf_config(config_class, GENERATION_DECODER, overrides, {})
-    save_generation_decoder(tmp_path, random_model(model_class, config, seed=3))
-    llm = make_llm(tmp_path)
-    llm.generate(token_prompts(random_prompts([4])), SamplingParams(max_tokens=3), use_tqdm=False)
-    assert _trunk(llm)._decode_stack is None
+def test_quantized_without_dense_copy_keeps_its_row_limit(tmp_path: Path, monkeypatch):
+    """Without dense copies, steps above the fused kernel's rows take the Python loop (which
+    dequantizes); fewer rows the stack."""
+    llm = make_llm(
+        _save(tmp_path, "llama"),
+        quantization="int8",
+        quantized_dense_copy="off",
+        enable_prefix_caching=False,
+    )
+    trunk = _trunk(llm)
+    prompts = token_prompts(random_prompts([3] * 10, seed=2))
+    # 10 streams decode together, then fewer as they finish
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True, logprobs=1)
+        for i in range(10)
+    ]
+    _assert_same_as_python_loop(llm, prompts, params, monkeypatch)
+    assert trunk._stack_max_rows == 8
 
 
 def test_smollm2_stack_equals_python_loop(monkeypatch):

@@ -100,15 +100,20 @@ class DecodeStack(Protocol):
 
     def add_linear(
         self,
-        q: torch.Tensor,
-        scale: torch.Tensor,
+        q: torch.Tensor | None,
+        scale: torch.Tensor | None,
         mn: torch.Tensor | None,
         bits: int,
         group: int,
+        fused_max_rows: int,
+        packed: torch.Tensor | None,
+        dense_dtype: torch.dtype,
         bias: torch.Tensor | None,
         /,
     ) -> None:
-        """The next quantized projection of the layer being built (qkv, o, gate_up, down)."""
+        """The next projection of the layer being built (qkv, o, gate_up, down): quantized
+        (``q``... up to ``fused_max_rows`` rows), oneDNN-prepacked dense (``packed`` in
+        ``dense_dtype``: more rows, or a dense layer), or both."""
         ...
 
     def add_layer(

@@ -1,13 +1,15 @@
 // The layer loop of a llama-family decode step in C++: for steps where every row is one new
-// token of its request and the weights are quantized, Python's per-layer dispatch (module calls,
-// views, contiguous copies, the attention plan lookups: ~20 torch ops a layer) cost about a
-// third of a one-stream step. ``DecodeStack`` holds the layers' weights once and runs the same
-// ops in the same order with the same kernels (quant_matmul, rotary_, the KV write,
-// cenote_attention::paged_attention, add_rms_norm_, silu_and_mul), so its results are
-// bit-identical to LlamaModel._forward_fused.
+// token of its request, Python's per-layer dispatch (module calls, views, contiguous copies, the
+// attention plan lookups: ~20 torch ops a layer) cost about a third of a one-stream step.
+// ``DecodeStack`` holds the layers' weights once (quantized, oneDNN-prepacked dense, or both)
+// and runs the same ops in the same order with the same kernels (quant_matmul or
+// mkldnn::_linear_pointwise, rotary_, the KV write, cenote_attention::paged_attention,
+// add_rms_norm_, silu_and_mul), so its results are bit-identical to
+// LlamaModel._forward_fused.
 
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 
 #include <cstring>
 #include <vector>
@@ -22,21 +24,37 @@ void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_
 
 namespace {
 
-struct QuantLinear {
-  at::Tensor q, scale;
-  c10::optional<at::Tensor> mn, bias;
-  int64_t bits, group;
+// A projection as models/layers/quant.py QuantLinear or linear.py TrunkLinear multiplies it:
+// up to ``fused_max_rows`` rows by the fused quantized kernel (fp32 activations in, the caller's
+// dtype out), more rows (or a dense layer) by the oneDNN-prepacked weight in its dtype.
+struct Linear {
+  c10::optional<at::Tensor> q, scale, mn;  // the quantized weight, if any
+  int64_t bits, group, fused_max_rows;
+  c10::optional<at::Tensor> packed;  // mkldnn-prepacked dense weight, if any
+  at::ScalarType dense_dtype;
+  c10::optional<at::Tensor> bias;
 
-  // As models/layers/quant.py quant_linear: fp32 activations in, the caller's dtype out.
   at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor out =
-        quant_matmul(x.to(at::kFloat).contiguous(), q, scale, mn, bits, group).to(x.scalar_type());
-    return bias.has_value() ? out + *bias : out;
+    if (q.has_value() && x.size(0) <= fused_max_rows) {
+      at::Tensor out = quant_matmul(x.to(at::kFloat).contiguous(), *q, *scale, mn, bits, group)
+                           .to(x.scalar_type());
+      return bias.has_value() ? out + *bias : out;
+    }
+    TORCH_CHECK(packed.has_value(), "no dense weight for ", x.size(0), " rows");
+    static auto linear =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    c10::optional<at::Tensor> dense_bias;
+    if (bias.has_value()) dense_bias = bias->to(dense_dtype);
+    torch::jit::Stack stack{x.to(dense_dtype).contiguous(), *packed, dense_bias,
+                            std::string("none"), c10::List<c10::optional<c10::Scalar>>(),
+                            std::string("")};
+    linear.callBoxed(&stack);
+    return stack[0].toTensor().to(x.scalar_type());
   }
 };
 
 struct Layer {
-  QuantLinear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;
   at::Tensor post_norm, next_norm;  // post-attention norm; the next layer's input norm (or final)
   double post_eps, next_eps, scale;
   int64_t cache_index;  // this layer's KV cache in the step's list
@@ -67,10 +85,18 @@ class DecodeStack {
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim) {}
 
-  // Four calls (qkv, o, gate_up, down), then add_layer.
-  void add_linear(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> mn, int64_t bits,
-                  int64_t group, c10::optional<at::Tensor> bias) {
-    pending_.push_back({std::move(q), std::move(scale), std::move(mn), std::move(bias), bits, group});
+  // Four calls (qkv, o, gate_up, down), then add_layer. A quantized projection gives q, scale,
+  // mn, bits, group and fused_max_rows; one with a prepacked dense weight (its own, or a
+  // quantized layer's dense copy) gives packed and dense_dtype.
+  void add_linear(c10::optional<at::Tensor> q, c10::optional<at::Tensor> scale,
+                  c10::optional<at::Tensor> mn, int64_t bits, int64_t group,
+                  int64_t fused_max_rows, c10::optional<at::Tensor> packed,
+                  at::ScalarType dense_dtype, c10::optional<at::Tensor> bias) {
+    TORCH_CHECK(q.has_value() == scale.has_value(), "a quantized weight needs its scales");
+    TORCH_CHECK(q.has_value() || packed.has_value(), "a projection needs a weight");
+    const int64_t rows = q.has_value() ? fused_max_rows : 0;
+    pending_.push_back({std::move(q), std::move(scale), std::move(mn), bits, group, rows,
+                        std::move(packed), dense_dtype, std::move(bias)});
   }
 
   void add_layer(at::Tensor post_norm, double post_eps, at::Tensor next_norm, double next_eps,
@@ -126,7 +152,7 @@ class DecodeStack {
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
-  std::vector<QuantLinear> pending_;
+  std::vector<Linear> pending_;
   std::vector<Layer> layers_;
 };
 

@@ -24,7 +24,7 @@ from cenote.models.decoder_base import FUSED, DecoderBase, map_name
 from cenote.models.layers.attention_kernels import attention_ops
 from cenote.models.layers.attention_plan import paged_plan
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
-from cenote.models.layers.linear import pack_weight, packed_linear
+from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
 from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.quant import QuantEmbedding, QuantizedWeight, QuantLinear
 from cenote.models.layers.rotary import RotaryEmbedding
@@ -93,7 +93,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
         self.rotary = RotaryEmbedding(layers[0].self_attn.head_dim, config)
         self._decode_stack: DecodeStack | None | Literal[False] = False  # False: not built yet
-        self._stack_max_rows = 0
+        self._stack_max_rows = 0.0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -165,7 +165,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | None:
         """The layer loop of ``_forward_fused`` as one C++ call (cenote/kernels/
         decode_stack.cpp, bit-identical) when every row is one new token of its request and
-        every projection is one quantized block multiplied by the fused kernel; else None."""
+        every projection has a weight the stack multiplies at this many rows; else None."""
         metadata = get_attention_metadata()
         if metadata.kv_caches is None or metadata.slot_mapping is None:
             return None
@@ -214,29 +214,55 @@ class LlamaModel(nn.Module):
                 layer.mlp.down_proj,
             )
         ]
-        linears = [m for m in modules if isinstance(m, QuantLinear) and len(m.parts) == 1]
-        if len(layers) != len(self.layers) or len(linears) != len(modules):
+        specs = [_stack_linear(module) for module in modules]
+        if len(layers) != len(self.layers) or any(spec is None for spec in specs):
             return None
         if any(layer.self_attn.attn.softcap is not None for layer in layers):
             return None
         first = layers[0].self_attn
         stack = ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim)
         for i, layer in enumerate(layers):
-            for linear in linears[4 * i : 4 * i + 4]:  # qkv, o, gate_up, down
-                part = linear.parts[0]
-                stack.add_linear(
-                    part.qdata, part.scales, part.mins, part.bits, part.group, linear.bias
-                )
+            for spec in specs[4 * i : 4 * i + 4]:  # qkv, o, gate_up, down
+                assert spec is not None
+                stack.add_linear(*spec[0])
             post = layer.post_attention_layernorm
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             attn = layer.self_attn.attn
             stack.add_layer(
                 post.weight, post.eps, following.weight, following.eps, attn.scale, attn.layer_idx
             )
-        # above these rows a layer multiplies its dense copy instead (QuantLinear.forward)
-        self._stack_max_rows = min(linear.fused_max_rows for linear in linears)
+        self._stack_max_rows = min(spec[1] for spec in specs if spec is not None)
         self._decode_stack = stack
         return stack
+
+
+_StackLinear = tuple[
+    torch.Tensor | None,  # q
+    torch.Tensor | None,  # scale
+    torch.Tensor | None,  # mn
+    int,  # bits
+    int,  # group
+    int,  # fused_max_rows
+    torch.Tensor | None,  # packed
+    torch.dtype,  # dense_dtype
+    torch.Tensor | None,  # bias
+]
+
+
+def _stack_linear(module: nn.Module) -> tuple[_StackLinear, float] | None:
+    """``DecodeStack.add_linear``'s arguments for a projection and the most rows the stack can
+    multiply it at, as its module would (QuantLinear: the fused kernel, then its dense copy;
+    TrunkLinear: its prepacked weight), or None where the stack cannot."""
+    if isinstance(module, QuantLinear) and len(module.parts) == 1:
+        part, packed = module.parts[0], module.dense_packed
+        dense_dtype = module.dense_dtype or torch.float32
+        rows = float("inf") if packed is not None else module.fused_max_rows
+        args = (part.qdata, part.scales, part.mins, part.bits, part.group, module.fused_max_rows)
+        return (*args, packed, dense_dtype, module.bias), rows
+    if isinstance(module, TrunkLinear) and module.packed is not None:
+        spec = (None, None, None, 0, 0, 0, module.packed, module.weight.dtype, module.bias)
+        return spec, float("inf")
+    return None
 
 
 class LlamaDecoder(DecoderBase):

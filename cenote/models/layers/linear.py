@@ -51,6 +51,11 @@ class TrunkLinear(nn.Linear):
     def prepack(self) -> None:
         self._packed = pack_weight(self.weight)
 
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """The oneDNN-prepacked weight (after ``prepack``), or None."""
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.weight, self._packed, self.bias)
 

@@ -304,6 +304,15 @@ class QuantLinear(nn.Module):
         return weight.nbytes
 
     @property
+    def dense_packed(self) -> torch.Tensor | None:
+        """The oneDNN-prepacked dense copy (``keep_dense``), or None."""
+        return None if self._dense is None else self._dense[1]
+
+    @property
+    def dense_dtype(self) -> torch.dtype | None:
+        return None if self._dense is None else self._dense[0].dtype
+
+    @property
     def fused_max_rows(self) -> int:
         """The most rows this layer multiplies with the fused kernel (more: the dense copy, or
         dequantize + matmul)."""
