@@ -54,25 +54,6 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor* residual, const at::Tensor& we
 }
 
 template <typename T>
-void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  const T* gp = gate_up.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* g = gp + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = op + r * inter;
-      for (int64_t j = 0; j < inter; ++j) {
-        const float gv = static_cast<float>(g[j]);
-        const T act = round_to<T>(gv / (1.f + std::exp(-gv)));
-        o[j] = round_to<T>(static_cast<float>(act) * static_cast<float>(u[j]));
-      }
-    }
-  });
-}
-
-template <typename T>
 void rotary_impl(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin, int64_t width) {
   const int64_t rows = qk.size(0), dim = cos.size(1), half = dim / 2;
   const int64_t heads = width / dim, stride = qk.stride(0);
@@ -131,17 +112,16 @@ void add_rms_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
   }
 }
 
+// torch's own vectorized silu and mul on the two halves: the same two roundings as
+// ``F.silu(gate) * up``, bit for bit, and faster than a scalar exp per element at every row
+// count (measured: 1 row 8.0 -> 4.5 us, 16 rows 75 -> 20 us, bf16 x 1536).
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous [T, 2 * intermediate]");
-  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  if (gate_up.scalar_type() == at::kFloat) {
-    silu_and_mul_impl<float>(gate_up, out);
-  } else {
-    silu_and_mul_impl<c10::BFloat16>(gate_up, out);
-  }
-  return out;
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor out = at::silu(gate_up.narrow(1, 0, inter));
+  return out.mul_(gate_up.narrow(1, inter, inter));
 }
 
 // Rotates the first ``width`` columns of each row of ``qk`` (q and k heads side by side).
