@@ -281,6 +281,50 @@ def test_decode_kernel_equals_gather_fp32(monkeypatch) -> None:
     assert plan.all_decode and plan.decode_ends.tolist() == [7, 30, 2, 64]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size,softcap",
+    [
+        (9, 3, 64, 16, 0.0),  # SmolLM2's heads
+        (9, 3, 64, 16, 20.0),
+        (8, 1, 128, 5, 0.0),  # two groups of 4 query heads, runs of keys shorter than a vector
+        (10, 2, 96, 7, 0.0),  # a group of 4 and of 1, an odd number of register pairs
+        (6, 6, 32, 16, 0.0),
+        (4, 2, 72, 16, 0.0),  # no vector path: the portable loops
+    ],
+)
+def test_paged_kernel_head_sizes(dtype, heads, kv_heads, dim, block_size, softcap) -> None:
+    """The kernel's paths for head sizes and query heads per kv head, on rows that start and end
+    inside blocks, against fp32 torch."""
+    ops = attention_kernels.attention_ops()
+    if ops is None:
+        pytest.fail("the attention kernels did not build on this machine")
+    generator = torch.Generator().manual_seed(0)
+    starts, ends = [0, 0, 3, 0, 9, 30], [1, 15, 16, 17, 40, 100]
+    width = -(-max(ends) // block_size)
+    num_blocks = len(ends) * width + 1
+    cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, dim), generator=generator)
+    cache = cache.to(dtype)
+    tables = (torch.randperm(num_blocks - 1, generator=generator) + 1).view(len(ends), width)
+    q = torch.randn(len(ends), heads, dim, generator=generator).to(dtype)
+    scale = dim**-0.5
+    got = ops.paged_attention(
+        q, cache, tables, torch.tensor(starts), torch.tensor(ends), scale, softcap
+    )
+    assert got.dtype == dtype
+    rows = cache.float().view(2, kv_heads, num_blocks * block_size, dim)
+    for r, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        positions = torch.arange(start, end)
+        slots = tables[r, positions // block_size] * block_size + positions % block_size
+        keys, values = (t[:, slots].repeat_interleave(heads // kv_heads, 0) for t in rows)
+        scores = q[r].float().unsqueeze(1) @ keys.transpose(1, 2) * scale  # [heads, 1, n]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        expected = (torch.softmax(scores, dim=-1) @ values).squeeze(1)
+        atol = ATOL_FP32 if dtype == torch.float32 else ATOL_BF16
+        torch.testing.assert_close(got[r].float(), expected, atol=atol, rtol=0)
+
+
 def test_paged_kernel_rejects_bad_input() -> None:
     ops = attention_kernels.attention_ops()
     if ops is None:
