@@ -25,17 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cenote import LLM, SamplingParams
-from cenote.kernels import cpu_features
+from cenote.kernels import cpu_features, cpu_model
 from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.models.llama import LlamaModel
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def tokens_per_second(llm: LLM, streams: int, max_tokens: int, runs: int) -> float:
@@ -59,7 +51,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    print(f"CPU: {cpu_name()}; features: {' '.join(cpu_features())}; threads {args.threads}")
+    print(f"CPU: {cpu_model()}; features: {' '.join(cpu_features())}; threads {args.threads}")
     print(f"SmolLM2 Q4_1 GGUF, quantization={args.quantization}, {args.max_tokens} tokens/stream")
     print(f"{'dtype':<10}{'streams':>8}{'stack':>10}{'python':>10}{'ratio':>8}   (tok/s, median)")
     stack_step = LlamaModel._decode_step

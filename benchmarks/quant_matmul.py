@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cenote.kernels import cpu_features, quant_ops
+from cenote.kernels import cpu_features, cpu_model, quant_ops
 from cenote.models.layers.linear import pack_weight, packed_linear
 from cenote.models.layers.quant import quantize_dense
 
@@ -25,14 +25,6 @@ SHAPES = {  # name -> (N out, K in)
     "down 1536->576": (576, 1536),
     "lm_head 576->49152": (49152, 576),
 }
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def timeit(fn, repeats: int) -> float:
@@ -68,7 +60,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ops = quant_ops()
     assert ops is not None, "kernel unavailable"
-    print(f"CPU: {cpu_name()}; features: {' '.join(cpu_features())}; threads {args.threads}")
+    print(f"CPU: {cpu_model()}; features: {' '.join(cpu_features())}; threads {args.threads}")
     print(
         f"{'shape':<20}{'M':>5}{'w4 fused':>10}{'w8 fused':>10}{'w4 deq+mm':>11}"
         f"{'fp32':>9}{'bf16':>9}   (microseconds, median)"

@@ -168,9 +168,28 @@ def cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or "unknown"."""
+    for line in cpu_identity().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def cpu_features() -> tuple[str, ...]:
-    """The vector features of this CPU that the kernels' code paths depend on."""
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+    """The vector features of this CPU that the kernels' code paths and the default dtype
+    depend on (what a benchmark prints with its numbers)."""
+    wanted = (
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512_bf16",
+        "amx_bf16",
+        "amx_int8",
+    )
     flags = set()
     for line in cpu_identity().splitlines():
         if line.startswith("flags"):
