@@ -296,7 +296,7 @@ class QuantLinear(nn.Module):
         """Also keep the weight dense in ``dtype`` (oneDNN-prepacked where possible) for steps
         of more than ``DENSE_ABOVE_ROWS[dtype]`` rows, which then skip the fused kernel or the
         per-step dequantization; returns the bytes the copy takes."""
-        weight = torch.cat([part.dequantize(torch.float32) for part in self.parts]).to(dtype)
+        weight = torch.cat([part.dequantize(dtype) for part in self.parts])
         packed = pack_weight(weight)
         # the prepacked copy is all the matmul reads: the plain one is only a dtype/shape tag
         self._dense = (weight if packed is None else weight.new_empty(0, weight.shape[1]), packed)
