@@ -158,6 +158,10 @@ def test_unknown_llm_option_is_a_type_error_listing_the_valid_ones() -> None:
         ({"block_size": True}, "option block_size must be int, got True"),
         ({"scheduling_policy": "lifo"}, "must be one of 'fcfs', 'priority', got 'lifo'"),
         ({"dtype": "float8"}, "option dtype must be one of 'auto', 'float32'"),
+        (
+            {"quantized_dense_copy": "maybe"},
+            "option quantized_dense_copy must be one of 'auto', 'on', 'off', got 'maybe'",
+        ),
         ({"enable_prefix_caching": "no"}, "option enable_prefix_caching must be bool"),
         ({"hf_overrides": "[]"}, "option hf_overrides must be dict or None"),
     ],

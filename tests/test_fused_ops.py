@@ -27,3 +27,12 @@ def test_silu_and_mul_is_torchs_silu_times_up(dtype, rows):
 def test_silu_and_mul_refuses_an_odd_width():
     with pytest.raises(RuntimeError, match="2 \\* intermediate"):
         quant_ops().silu_and_mul(torch.randn(2, 5))
+
+
+def test_python_m_cenote_kernels_builds_both_extensions(capsys):
+    """The set-up step of scripts/serve.sh: both extensions ready (built or cached), exit 0."""
+    from cenote.kernels.__main__ import main
+
+    assert main() == 0
+    out = capsys.readouterr().out
+    assert "quantized matmul / fused layers: ready" in out and "attention: ready" in out
