@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
@@ -104,11 +104,8 @@ class BertModel(nn.Module):
         return 0
 
     def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens], 0-based within each request
-        token_type_ids: torch.Tensor | None = None,  # [num_tokens]
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
+    ) -> Tensor:
         x = self.embeddings(input_ids, positions, token_type_ids)
         mask_fn = self._mask_fn(input_ids, positions)
         for layer in self.layers:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from cenote.models.layers.decoder import DecoderAttention
 from cenote.models.layers.quant import QuantizedWeight
@@ -72,11 +72,9 @@ class DecoderBase(nn.Module):
         }
 
     def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens], 0-based within each request
-        token_type_ids: torch.Tensor | None = None,  # unused: decoders have no token types
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        # token_type_ids unused: decoders have no token types
         return self.model(input_ids, positions)  # [num_tokens, hidden]
 
     def _checkpoint_name(self, name: str) -> str:

@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Model(Protocol):
-    """A trunk: ``forward(input_ids [num_tokens], positions [num_tokens], token_type_ids)``
-    -> hidden states ``[num_tokens, hidden_size]``, attention metadata from the forward
-    context. ``hidden_size`` is what a pooler receives."""
+    """A trunk: ``forward(input_ids, positions, token_type_ids)`` -> hidden states
+    ``[num_tokens, hidden_size]``, attention metadata from the forward context. ``hidden_size``
+    is what a pooler receives."""
 
     is_causal: bool  # decoder with a KV cache, or bidirectional encoder
     hidden_size: int
@@ -36,7 +36,13 @@ class Model(Protocol):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """One flat batch of ``num_tokens`` tokens, the requests back to back:
+        ``input_ids [num_tokens]``; ``positions [num_tokens]``, 0-based within each request;
+        ``token_type_ids [num_tokens]`` (segment ids) or None, read by the models with
+        token-type embeddings (BERT and its heirs, nomic-bert) and ignored by the others
+        -> hidden states ``[num_tokens, hidden_size]``."""
+        ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names) in; returns the parameters filled."""

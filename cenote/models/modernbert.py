@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert_classifiers import num_labels_of
@@ -150,11 +150,9 @@ class ModernBertModel(nn.Module):
         self.final_norm = _layer_norm(config)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens], 0-based within each request
-        token_type_ids: torch.Tensor | None = None,  # unused: ModernBERT has no token types
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        # token_type_ids unused: ModernBERT has no token types
         x = self.embedding_norm(self.tok_embeddings(input_ids))
         tables = {kind: rotary.cos_sin(positions) for kind, rotary in self.rotary.items()}
         window = window_mask_fn(self.half_window)

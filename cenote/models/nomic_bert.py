@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
@@ -140,11 +140,8 @@ class NomicBertModel(nn.Module):
         )
 
     def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens], 0-based within each request
-        token_type_ids: torch.Tensor | None = None,  # [num_tokens]
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
+    ) -> Tensor:
         x = self.word_embeddings(input_ids)
         if token_type_ids is None:
             x = x + self.token_type_embeddings.weight[0]

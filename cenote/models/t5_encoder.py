@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
@@ -105,11 +105,9 @@ class T5EncoderModel(nn.Module):
         self.final_layer_norm = RMSNorm(self.hidden_size, config.get("layer_norm_epsilon", 1e-6))
 
     def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens], unused: positions enter as relative bias
-        token_type_ids: torch.Tensor | None = None,  # unused: T5 has no token types
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        # positions unused (they enter as relative bias); token_type_ids unused: T5 has none
         x = self.embed_tokens(input_ids)
         mask_fn = self.relative_attention_bias.mask_fn(x.dtype)  # the same for every layer
         for layer in self.layers:

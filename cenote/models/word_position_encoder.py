@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert import BertLayer
@@ -107,11 +107,9 @@ class WordPositionEncoder(nn.Module):
         return None
 
     def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens], 0-based within each request
-        token_type_ids: torch.Tensor | None = None,  # unused: no token types
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        # token_type_ids unused: these encoders have no token types
         x = self.embeddings(input_ids, positions)
         mask_fn = self._mask_fn(x.dtype)
         for layer in self.layers:
