@@ -6,6 +6,7 @@ from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -33,8 +34,7 @@ class AttentionMetadata:
 
     @property
     def query_lens(self) -> list[int]:
-        loc = self.query_start_loc
-        return [loc[i + 1] - loc[i] for i in range(len(loc) - 1)]
+        return [end - start for start, end in pairwise(self.query_start_loc)]
 
 
 _CONTEXT: ContextVar[AttentionMetadata | None] = ContextVar("cenote_forward_context", default=None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -26,8 +27,7 @@ class PoolingMetadata:
 
     @property
     def prompt_lens(self) -> list[int]:
-        loc = self.start_loc
-        return [loc[i + 1] - loc[i] for i in range(len(loc) - 1)]
+        return [end - start for start, end in pairwise(self.start_loc)]
 
     def segment_ids(self) -> torch.Tensor:
         """[num_tokens] index of the request each row belongs to."""
