@@ -1,4 +1,11 @@
-"""The flat, unpadded batch of one step: token ids, positions, cumulative lengths, KV slots."""
+"""The flat batch of one step: token ids, positions, cumulative lengths, KV slots.
+
+Encoder steps (no KV cache) are padded at the end of the flat batch to one of a bounded set of
+row counts. oneDNN builds (and caches) a matmul primitive per distinct row count: a new count
+costs about 8 ms per weight shape (bf16 with AMX, 2 cores), so an embedding server whose every
+step has a new token count spent most of its time building primitives. The padding rows form
+one dummy sequence (positions 0, 1, ...) that no request, attention call or pooler reads.
+"""
 
 from __future__ import annotations
 
@@ -19,14 +26,18 @@ class InputBatch:
     token_type_ids: torch.Tensor | None  # [num_tokens] int64, when any request has segments
     attention: AttentionMetadata  # cumulative lengths, KV slots and block tables
     row_ends: list[int]  # [num_requests] index one past each request's last row
+    num_tokens: int  # rows that belong to requests; the rows after them are padding
 
 
 def build_input_batch(
     scheduled: list[ScheduledRequest],
     block_size: int,
     kv_caches: list[torch.Tensor] | None,
+    max_position: int | None = None,
 ) -> InputBatch:
-    """Concatenate the new tokens of every scheduled request, in batch order."""
+    """Concatenate the new tokens of every scheduled request, in batch order. Without a KV cache
+    the batch is padded to ``padded_rows(num_tokens, max_position)`` rows (``max_position``: the
+    model's position limit, which the padding's positions stay below; None: no padding)."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_start_loc = [0]
@@ -40,6 +51,12 @@ def build_input_batch(
         seq_lens.append(s.start_position + s.num_tokens)
         if has_segments:
             token_types.extend(s.token_type_ids or [0] * s.num_tokens)
+    num_tokens = len(input_ids)
+    if kv_caches is None and max_position is not None:
+        padding = padded_rows(num_tokens, max_position) - num_tokens
+        input_ids.extend([0] * padding)
+        positions.extend(range(padding))
+        token_types.extend([0] * padding if has_segments else [])
     positions_tensor = torch.tensor(positions, dtype=torch.long)
     slot_mapping = None
     block_tables = None
@@ -61,7 +78,19 @@ def build_input_batch(
         token_type_ids=torch.tensor(token_types, dtype=torch.long) if has_segments else None,
         attention=attention,
         row_ends=query_start_loc[1:],
+        num_tokens=num_tokens,
     )
+
+
+def padded_rows(num_tokens: int, max_position: int) -> int:
+    """``num_tokens`` rounded up to a multiple of ``clamp(next_pow2(num_tokens) / 16, 16, 128)``
+    (at most ``max_position``): about 90 distinct counts up to 8,192 tokens, each padding a step by
+    at most 1/8 of its rows (3% on average above 1,024 rows)."""
+    if num_tokens <= 0:
+        return num_tokens
+    granule = min(max(16, (1 << (num_tokens - 1).bit_length()) // 16), 128)
+    granule = min(granule, 1 << (max_position.bit_length() - 1))  # padding positions < limit
+    return -(-num_tokens // granule) * granule
 
 
 def _slot_mapping(

@@ -68,9 +68,12 @@ class ModelRunner:
             return output
         # 2) flat batch -> trunk
         scheduled = scheduler_output.scheduled
-        batch = build_input_batch(scheduled, self.block_size, self.kv_caches)
+        batch = build_input_batch(
+            scheduled, self.block_size, self.kv_caches, self.config.model.max_model_len
+        )
         with forward_context(batch.attention):
             hidden = self.model(batch.input_ids, batch.positions, batch.token_type_ids)
+        hidden = hidden[: batch.num_tokens]  # [num_tokens, hidden]: without the padding rows
         step = _Step(scheduled, batch, hidden)
         # 3) branch once per row: pool finished prompts, sample at the end of known tokens
         output.pooler_output = self._pool(step)

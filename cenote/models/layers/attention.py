@@ -138,7 +138,9 @@ class Attention(nn.Module):
         attending to its own rows, into ``out`` (allocated when None): one kernel call for all of
         them; where the kernel does not apply, one SDPA call per run of adjacent equal-length
         requests."""
-        out = torch.empty_like(q) if out is None else out
+        if out is None:
+            out = torch.empty_like(q)
+            out[starts[-1] + lengths[-1] if lengths else 0 :].zero_()  # the batch's padding rows
         ops = attention_ops()
         if (
             ops is not None
