@@ -175,6 +175,38 @@ def test_encoder_row_is_independent_of_its_batch(dtype, encoder_path) -> None:
         torch.testing.assert_close(batched[rows], alone, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(12, 12, 32), (8, 2, 64), (6, 6, 48), (4, 4, 128), (4, 2, 40)],
+    ids=["minilm", "gqa-64", "48", "128", "40-sdpa"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_varlen_kernel_bf16_head_sizes(heads, kv_heads, dim, causal) -> None:
+    """bf16 through the kernel as the trunks call it (q, k, v strided views of one fused
+    projection), against fp64 attention: lengths across the key-block (64) and query-chunk (256)
+    boundaries, head sizes a multiple of 16 (oneDNN micro-kernels where bf16 is native) and not
+    (SDPA); padding rows after the last request untouched."""
+    ops = attention_kernels.attention_ops()
+    if ops is None:
+        pytest.fail("the attention kernels did not build on this machine")
+    lengths = [1, 2, 63, 64, 65, 7, 300, 130, 31, 33]
+    total = sum(lengths)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    width = (heads + 2 * kv_heads) * dim
+    fused = torch.randn(total + 5, width, generator=torch.Generator().manual_seed(7))
+    fused = fused.bfloat16()
+    q = fused[:, : heads * dim].view(-1, heads, dim)
+    k = fused[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    v = fused[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
+    out = torch.full((total + 5, heads, dim), 7.0, dtype=torch.bfloat16)
+    ops.varlen_attention(q, k, v, out, starts, lengths, dim**-0.5, causal)
+    for start, n in zip(starts, lengths, strict=True):
+        rows = slice(start, start + n)
+        expected = _reference(q[rows], k[rows], v[rows], dim**-0.5, causal=causal)
+        torch.testing.assert_close(out[rows].float(), expected.float(), atol=ATOL_BF16, rtol=2**-7)
+    assert out[total:].eq(7.0).all()
+
+
 def test_varlen_kernel_rejects_bad_rows() -> None:
     ops = attention_kernels.attention_ops()
     if ops is None:
@@ -348,7 +380,7 @@ def test_paged_kernel_rejects_bad_input() -> None:
 def test_kernel_build_failure_falls_back_with_a_log_line(tmp_path, monkeypatch, caplog) -> None:
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(attention_kernels, "_SOURCE", broken)
+    monkeypatch.setattr(attention_kernels, "_SOURCES", [broken])
     monkeypatch.setenv("CENOTE_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger=attention_kernels.__name__):
         assert attention_kernels.attention_ops.__wrapped__() is None

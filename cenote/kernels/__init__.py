@@ -197,8 +197,11 @@ def cpu_features() -> tuple[str, ...]:
     return tuple(flag for flag in wanted if flag in flags)
 
 
-def build_extension(prefix: str, sources: list[Path], *, python_module: bool) -> ModuleType | None:
-    """Build (or load the cached build of) ``sources`` as extension ``prefix_<hash>``.
+def build_extension(
+    prefix: str, sources: list[Path], *, python_module: bool, headers: list[Path] | None = None
+) -> ModuleType | None:
+    """Build (or load the cached build of) ``sources`` as extension ``prefix_<hash>``
+    (``headers``: the local headers they include, part of the hash).
 
     Raises what the build raises; returns the module (``python_module``) or None (a library of
     TORCH_LIBRARY ops, reached through ``torch.ops``)."""
@@ -207,7 +210,7 @@ def build_extension(prefix: str, sources: list[Path], *, python_module: bool) ->
 
     identity = "\n".join(
         [
-            *(source.read_text(encoding="utf-8") for source in sources),
+            *(path.read_text(encoding="utf-8") for path in [*sources, *(headers or [])]),
             *(str(source) for source in sources),  # two checkouts must not rebuild each other's
             torch.__version__,
             *_FLAGS,

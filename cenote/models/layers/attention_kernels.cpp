@@ -8,24 +8,20 @@
 //   table row: position p lives at slot p % block_size of block block_tables[r][p / block_size].
 //   Scores are fp32 (dot products of fp32-converted q and k), softmax in fp32, the weighted sum
 //   of values accumulated in fp32 and rounded once to the query's dtype.
-// varlen_attention: requests of any lengths on a flat token stream, each attending only to its
-//   own rows, in one call: torch's SDPA per request, scheduled across the cores (requests
-//   longest first, one per thread) when there are enough of them, else one after the other
-//   with SDPA's own threads. Each request's result is SDPA's on that request alone.
+// varlen_attention (encoder batches) is in varlen_attention.cpp; the scalar helpers both use
+// are in attention_common.h.
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "attention_common.h"
+
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -35,38 +31,10 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-inline void store(float* out, float x) { *out = x; }
-
-inline void store(c10::BFloat16* out, float x) { *out = c10::BFloat16(x); }
-
-// exp(x) for x <= 0 (a score minus the row's maximum), Cephes' single-precision polynomial,
-// written so that the compiler vectorizes a loop of it (inlined by force: left to GCC, the fp32
-// instantiation called it once per score).
-inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
+using cenote_attention::exp_nonpositive;
+using cenote_attention::row_max;
+using cenote_attention::store;
+using cenote_attention::to_float;
 
 struct Shapes {
   int64_t rows, heads, dim, kv_heads, num_blocks, block_size, group;
@@ -366,20 +334,6 @@ void values_vec(const float* weights, const T* values, const int64_t* table, int
 }
 #endif
 
-// max(x[0], ..., x[n - 1]) for n >= 1, in kWays independent chains (one chain is a maxss
-// latency per score; GCC does not vectorize a float max).
-inline float row_max(const float* x, int64_t n) {
-  constexpr int64_t kWays = 8;
-  float top[kWays];
-  for (int64_t i = 0; i < kWays; ++i) top[i] = x[0];
-  int64_t j = 0;
-  for (; j + kWays <= n; j += kWays) {
-    for (int64_t i = 0; i < kWays; ++i) top[i] = std::max(top[i], x[j + i]);
-  }
-  for (; j < n; ++j) top[0] = std::max(top[0], x[j]);
-  return *std::max_element(top, top + kWays);
-}
-
 // One query row's G query heads against their kv head: scores, softmax, weighted values.
 template <typename T>
 void attend_row_head(const T* q, const T* keys, const T* values, const int64_t* table,
@@ -488,63 +442,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   return out;
 }
 
-void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      at::Tensor& out, c10::IntArrayRef starts, c10::IntArrayRef lengths,
-                      double scale, bool causal) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3,
-              "q, k, v and out must be [num_tokens, heads, head_dim]");
-  TORCH_CHECK(k.sizes() == v.sizes() && out.sizes() == q.sizes() && k.size(0) == q.size(0),
-              "q, k, v and out shapes do not match");
-  TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of key heads");
-  TORCH_CHECK(starts.size() == lengths.size(), "starts and lengths differ in size");
-  const int64_t num_requests = static_cast<int64_t>(starts.size());
-  for (int64_t r = 0; r < num_requests; ++r) {
-    TORCH_CHECK(lengths[r] > 0 && starts[r] >= 0 && starts[r] + lengths[r] <= q.size(0),
-                "request ", r, " rows [", starts[r], ", ", starts[r] + lengths[r],
-                ") outside the ", q.size(0), " rows");
-  }
-  const bool gqa = q.size(1) != k.size(1);
-  auto attend = [&](int64_t r) {
-    const int64_t start = starts[r], end = starts[r] + lengths[r];
-    auto rows = [&](const at::Tensor& t) {  // [1, heads, length, dim] view of the request
-      return t.slice(0, start, end).unsqueeze(0).transpose(1, 2);
-    };
-    at::Tensor result = at::scaled_dot_product_attention(rows(q), rows(k), rows(v),
-                                                         std::nullopt, 0.0, causal, scale, gqa);
-    out.slice(0, start, end).copy_(result[0].transpose(0, 1));
-  };
-  // one request per thread pays when no request alone outweighs a thread's share
-  std::vector<int64_t> order(num_requests);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
-  const int64_t threads = at::get_num_threads();
-  double total = 0.0;
-  for (int64_t r = 0; r < num_requests; ++r) total += double(lengths[r]) * double(lengths[r]);
-  const double longest = num_requests ? double(lengths[order[0]]) * double(lengths[order[0]]) : 0;
-  if (threads > 1 && num_requests >= 2 * threads && longest * threads <= total) {
-    std::atomic<int64_t> next{0};
-    const at::ThreadLocalState caller;  // inference mode, grad mode, ... of the calling thread
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      at::ThreadLocalStateGuard same_state(caller);
-      for (int64_t i = next++; i < num_requests; i = next++) attend(order[i]);
-    });
-  } else {
-    for (int64_t r = 0; r < num_requests; ++r) attend(r);
-  }
-}
-
 }  // namespace
 
 TORCH_LIBRARY(cenote_attention, m) {
   m.def(
       "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor key_starts, "
       "Tensor key_ends, float scale, float softcap) -> Tensor");
-  m.def(
-      "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int[] starts, "
-      "int[] lengths, float scale, bool causal) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cenote_attention, CPU, m) {
   m.impl("paged_attention", &paged_attention);
-  m.impl("varlen_attention", &varlen_attention);
 }

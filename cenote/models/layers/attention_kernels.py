@@ -19,7 +19,9 @@ from cenote.kernels import build_extension, build_or_none
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("attention_kernels.cpp")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "attention_kernels.cpp", _HERE / "varlen_attention.cpp"]
+_HEADERS = [_HERE / "attention_common.h"]
 
 
 class AttentionOps(Protocol):
@@ -65,7 +67,7 @@ def attention_ops() -> AttentionOps | None:
     """``torch.ops.cenote_attention`` (building it on first call), or None."""
 
     def build() -> AttentionOps:
-        build_extension("cenote_attention", [_SOURCE], python_module=False)
+        build_extension("cenote_attention", _SOURCES, python_module=False, headers=_HEADERS)
         ops = torch.ops.cenote_attention
         ops.paged_attention  # noqa: B018  (resolving the op checks the library registered it)
         # an op namespace resolves its ops by name at run time; AttentionOps declares the
