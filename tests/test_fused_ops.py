@@ -29,6 +29,64 @@ def test_silu_and_mul_refuses_an_odd_width():
         quant_ops().silu_and_mul(torch.randn(2, 5))
 
 
+def _bf16_ties(rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual`` and ``x`` whose fp32 sums lie halfway between two bf16 values (1 + 2^-8
+    rounds down to 1, 1 + 3 * 2^-8 up to 1 + 2^-6: nearest even), elsewhere random."""
+    residual = torch.randn(rows, dim).to(torch.bfloat16)
+    x = torch.randn(rows, dim).to(torch.bfloat16)
+    residual[:, ::3] = torch.tensor([1.0, 1.0 + 2**-7]).repeat(dim)[: (dim + 2) // 3]
+    x[:, ::3] = 2**-8
+    return residual, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 16, 17, 70])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_rounds_as_torch(dtype, rows, with_residual):
+    """Bit for bit torch's ``residual + x`` and ``weight * (h * rsqrt(mean(h^2) + eps)).to(dtype)``,
+    with the mean's sum added in column order (the kernel's order; torch's own reduction
+    differs from it only by the reassociation of that sum)."""
+    dim, eps = 100, 1e-5
+    residual, x = _bf16_ties(rows, dim)
+    residual, x = residual.to(dtype), x.to(dtype)
+    weight = (torch.randn(dim) * 2).to(dtype)
+    h = residual + x if with_residual else x
+    squares = h.float() * h.float()
+    total = torch.zeros(rows)
+    for j in range(dim):
+        total += squares[:, j]
+    # fp32's correctly rounded sqrt and division, through fp64 (rounding twice is exact for
+    # these two; torch's fp32 kernels may be off by an ulp)
+    mean = total / torch.full_like(total, dim) + torch.full_like(total, eps)
+    inv = (1.0 / mean.double().sqrt().float().double()).float()
+    expected = weight * (h.float() * inv[:, None]).to(dtype)
+    out, res = x.clone(), residual.clone() if with_residual else None
+    quant_ops().add_rms_norm_(out, res, weight, eps)
+    assert torch.equal(out, expected)
+    if res is not None:
+        assert torch.equal(res, h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 70])
+@pytest.mark.parametrize("head_dim", [64, 6])
+def test_rotary_is_torchs_rotate_half(dtype, rows, head_dim):
+    """Bit for bit ``x * cos + rotate_half(x) * sin`` on the first ``width`` columns of strided
+    rows (q and k heads of a fused qkv), each product rounded to the dtype; the rest untouched."""
+    heads, width = 12, 9 * head_dim
+    qkv = (torch.randn(rows, heads * head_dim + 8) * 3).to(dtype)
+    angles = torch.randn(rows, head_dim // 2).repeat(1, 2) * 10
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    x = qkv[:, :width].view(rows, -1, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    expected = qkv.clone()
+    expected[:, :width] = (x * cos[:, None] + rotated * sin[:, None]).reshape(rows, width)
+    view = qkv[:, : heads * head_dim]
+    quant_ops().rotary_(view, cos, sin, width)
+    assert torch.equal(qkv, expected)
+
+
 def test_python_m_cenote_kernels_builds_both_extensions(capsys):
     """The set-up step of scripts/serve.sh: both extensions ready (built or cached), exit 0."""
     from cenote.kernels.__main__ import main
