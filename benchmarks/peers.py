@@ -26,7 +26,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SCRIPTS = REPO.parent / "shared" / "peers"
-_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
 # our work name -> (peers run_peers_bench.sh names, cenote run_cenote_bench.sh names)
 WORK = {
     "embed": ("st vllm", "embed"),
@@ -37,15 +36,9 @@ WORK = {
 
 
 def cpu_line() -> str:
-    model, flags = "unknown CPU", set()
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    have = " ".join(flag for flag in _FLAGS if flag in flags) or "none of " + " ".join(_FLAGS)
-    return f"{model}, {os.cpu_count()} cores; {have}"
+    from cenote.kernels import cpu_features, cpu_model
+
+    return f"{cpu_model()}, {os.cpu_count()} cores; {' '.join(cpu_features()) or 'no vector flags'}"
 
 
 def last_json(path: Path, key: str | None = None) -> dict | None:
