@@ -274,7 +274,9 @@ def _remove_stale_lock(lock: Path) -> None:
 @cache
 def _load_quant() -> QuantOps | None:
     def build() -> QuantOps:
-        module = build_extension("cenote_quant", _QUANT_SOURCES, python_module=True)
+        module = build_extension(
+            "cenote_quant", _QUANT_SOURCES, python_module=True, headers=[_HERE / "bf16_bits.h"]
+        )
         # pybind11 modules carry no type information; QuantOps declares the functions the
         # sources define
         return cast(QuantOps, module)

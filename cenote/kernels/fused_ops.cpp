@@ -18,26 +18,16 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_bits.h"
+
 namespace {
 
-// Element access through the storage bits, so that every loop below vectorizes (GCC, -O3
-// -march=native): bf16 is kept as uint16_t, widened by a shift and rounded to nearest even on
-// the bits, exactly what c10::BFloat16's scalar conversions do (any NaN becomes 0x7FC0).
+// Element access through the storage bits (bf16_bits.h), so that every loop below vectorizes.
 inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float to_float(uint16_t v) { return cenote_bf16::bf16_to_float(v); }
 
 inline void store(float& out, float v) { out = v; }
-inline void store(uint16_t& out, float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  out = static_cast<uint16_t>(v != v ? 0x7FC0u : rounded);
-}
+inline void store(uint16_t& out, float v) { out = cenote_bf16::float_to_bf16(v); }
 
 // ``v`` rounded to the storage dtype S (torch rounding an intermediate product).
 template <typename S>

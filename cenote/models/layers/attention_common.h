@@ -4,6 +4,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "../../kernels/bf16_bits.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,12 +15,7 @@ namespace cenote_attention {
 
 inline float to_float(float x) { return x; }
 
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+inline float to_float(c10::BFloat16 x) { return cenote_bf16::bf16_to_float(x.x); }
 
 inline void store(float* out, float x) { *out = x; }
 

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "attention_kernels.cpp", _HERE / "varlen_attention.cpp"]
-_HEADERS = [_HERE / "attention_common.h"]
+_HEADERS = [_HERE / "attention_common.h", _HERE.parents[1] / "kernels" / "bf16_bits.h"]
 
 
 class AttentionOps(Protocol):

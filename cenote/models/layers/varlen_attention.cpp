@@ -61,7 +61,7 @@ struct Scratch {
   void reserve(int64_t padded, int64_t dim) {
     kpack.resize(padded * dim);
     vpack.resize(padded * dim);
-    const int64_t rows = std::min(kQueryRows, padded + kTile);
+    const int64_t rows = std::min(kQueryRows, padded);  // padded >= length rounded to kTile
     qrows.resize(rows * dim);
     probs.resize(rows * padded);
     scores.resize(rows * padded);
@@ -70,13 +70,7 @@ struct Scratch {
   }
 };
 
-// x rounded to bf16 (to nearest, ties to even, as c10::BFloat16 rounds finite values), as bits:
-// a form the compiler vectorizes.
-inline uint16_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+using cenote_bf16::float_to_bf16;
 
 // exp(x) for x <= 0, accurate to ~3e-6 relative: enough for weights rounded to bf16 (2^-9), and
 // half the work of exp_nonpositive. 2^(x log2 e) split as 2^n 2^f, |f| <= 1/2, and 2^f by
@@ -114,8 +108,8 @@ inline __m512 exp_for_bf16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
 }
 
-// 16 fp32 lanes rounded to bf16 as bf16_bits rounds.
-inline __m256i bf16_bits(__m512 x) {
+// 16 fp32 lanes rounded to bf16 as float_to_bf16 rounds (finite values).
+inline __m256i float_to_bf16(__m512 x) {
 #if defined(__AVX512BF16__)
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
 #else
@@ -148,7 +142,7 @@ float softmax_row(const float* scores, int64_t visible, int64_t padded, float sc
     const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + j), factor, shift);
     const __m512 e = _mm512_maskz_mov_ps(in, exp_for_bf16(x));
     total = _mm512_add_ps(total, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + j), bf16_bits(e));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + j), float_to_bf16(e));
   }
   std::fill(probs + j, probs + padded, uint16_t{0});  // j: visible rounded up to 16
   return 1.0f / _mm512_reduce_add_ps(total);
@@ -159,7 +153,7 @@ float softmax_row(const float* scores, int64_t visible, int64_t padded, float sc
   for (int64_t j = 0; j < visible; ++j) {
     const float e = exp_for_bf16((scores[j] - top) * scale);
     total += e;
-    probs[j] = bf16_bits(e);
+    probs[j] = float_to_bf16(e);
   }
   std::fill(probs + visible, probs + padded, uint16_t{0});
   return 1.0f / total;
@@ -287,7 +281,7 @@ void attend_brgemm(const BFloat16* q, const BFloat16* k, const BFloat16* v, BFlo
         const float* arow = &s.acc[r * D];
         const float inv = s.inverse[r];
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) orow[d] = bf16_bits(arow[d] * inv);
+        for (int64_t d = 0; d < D; ++d) orow[d] = float_to_bf16(arow[d] * inv);
       }
     }
   }
