@@ -43,8 +43,9 @@ are cached); flat-nofreeze 5.2 s cold, 2.1 s warm (FX cache hit); flat-autotune 
 Fidelity: compiled vs eager bf16 max |diff| 7.8e-2, min row cosine 0.99922; against fp32
 eager the compiled bf16 trunk (0.99958) is closer than eager bf16 (0.99794-0.99803; likely as
 inductor keeps the add + LayerNorm in fp32); fp32 compiled vs eager max |diff| 8.6e-6.
-Why so little: a profiled eager bf16 pass is 59% oneDNN matmuls and 31% varlen attention, which compile leaves as they are;
-the LayerNorms, adds and embeddings it can fuse are 9% (101 ms), and fused they took 91 ms.
+Why so little: a profiled eager bf16 pass is 59% oneDNN matmuls and 31% varlen attention,
+which compile leaves as they are; the LayerNorms, adds and embeddings it can fuse are 9%
+(101 ms), and fused they took 91 ms.
 """
 
 from __future__ import annotations
