@@ -207,6 +207,30 @@ def test_varlen_kernel_bf16_head_sizes(heads, kv_heads, dim, causal) -> None:
     assert out[total:].eq(7.0).all()
 
 
+def test_varlen_kernel_bf16_peaked_scores() -> None:
+    """Scores hundreds apart in a row: most weights fall far below fp32's normal range (the
+    kernel flushes those to zero); the result still matches fp64 attention, nothing is NaN, and
+    the calling thread's floating-point mode (subnormals kept) is as before the call."""
+    ops = attention_kernels.attention_ops()
+    if ops is None:
+        pytest.fail("the attention kernels did not build on this machine")
+    lengths = [5, 70, 200]
+    starts = [0, 5, 75]
+    generator = torch.Generator().manual_seed(3)
+    q = (torch.randn(275, 2, 32, generator=generator) * 12).bfloat16()
+    k = (torch.randn(275, 2, 32, generator=generator) * 12).bfloat16()
+    v = torch.randn(275, 2, 32, generator=generator).bfloat16()
+    out = torch.empty_like(q)
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    ops.varlen_attention(q, k, v, out, starts, lengths, 32**-0.5, False)
+    assert (tiny * 1.0).item() != 0.0  # subnormals still computed on the caller's thread
+    assert not out.isnan().any()
+    for start, n in zip(starts, lengths, strict=True):
+        rows = slice(start, start + n)
+        expected = _reference(q[rows], k[rows], v[rows], 32**-0.5, causal=False)
+        torch.testing.assert_close(out[rows].float(), expected.float(), atol=ATOL_BF16, rtol=2**-7)
+
+
 def test_varlen_kernel_rejects_bad_rows() -> None:
     ops = attention_kernels.attention_ops()
     if ops is None:

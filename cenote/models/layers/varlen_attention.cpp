@@ -11,7 +11,10 @@
 //   Why not torch's SDPA per request: at encoder lengths (tens to hundreds of tokens, head size
 //   32-64) it measured 110 GFLOP/s at 124 tokens, and attention took about 28% of a MiniLM
 //   embedding pass for 5% of its FLOPs; this path is 1.29x faster on the benchmark corpus
-//   (Intel AMX, 2 threads).
+//   (Intel AMX, 2 threads). At head size 32 (MiniLM) a score costs the micro-kernels 128 FLOPs
+//   and the softmax about one cycle, so the softmax's exp is written for throughput: log2(e)
+//   folded into the scale, one rounding, five FMAs and a scalef per 16 weights, and
+//   subnormal weights flushed (FTZ/DAZ on the kernel's threads, restored after).
 // Otherwise (fp32, CPUs without bf16 micro-kernels, head sizes not a multiple of 16): torch's
 //   SDPA per request, one request per thread when there are enough of them, else one after the
 //   other with SDPA's own threads. Each request's result is SDPA's on that request alone.
@@ -32,7 +35,7 @@
 #include <numeric>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -46,6 +49,8 @@ constexpr int64_t kTile = 32;         // query rows round up to a multiple of it
 constexpr int64_t kKeyBlock = 64;     // keys per packed block; key counts round up to it
 constexpr int64_t kValueBlock = 64;   // value columns per packed block (oneDNN's limit)
 constexpr int64_t kQueryRows = 256;   // query rows per micro-kernel call (bounds the scores)
+
+constexpr unsigned int kFlushSubnormals = 0x8040;  // MXCSR: flush-to-zero, denormals-are-zero
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -72,40 +77,31 @@ struct Scratch {
 
 using cenote_bf16::float_to_bf16;
 
-// exp(x) for x <= 0, accurate to ~3e-6 relative: enough for weights rounded to bf16 (2^-9), and
-// half the work of exp_nonpositive. 2^(x log2 e) split as 2^n 2^f, |f| <= 1/2, and 2^f by
-// its Taylor series to degree 5 (remainder < (ln2 / 2)^6 / 720 = 2.4e-6).
-inline __attribute__((always_inline)) float exp_for_bf16(float x) {
-  const float t = std::max(x * 1.44269504088896341f, -126.0f);
-  const float n = std::nearbyint(t), f = t - n;
-  float y = 1.3333558e-3f;
-  y = std::fma(y, f, 9.6181291e-3f);
-  y = std::fma(y, f, 5.5504109e-2f);
-  y = std::fma(y, f, 2.4022651e-1f);
-  y = std::fma(y, f, 6.9314718e-1f);
-  y = std::fma(y, f, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
+// 2^t for t <= 0, accurate to 3e-7 relative (weights are rounded to bf16, 2^-9, but their sum
+// is not). 2^t = 2^n 2^f with n = round(t), |f| <= 1/2, and 2^f by a degree-5 polynomial (least
+// squares in relative error on [-1/2, 1/2]); below 2^-126 the result is zero or subnormal (the caller
+// flushes subnormals). The softmax folds log2(e) into its scale, so exp(x) = exp2_weight(x log2 e).
+constexpr float kExp2Poly[6] = {1.0f,         0.69314700f, 0.24022225f,
+                                0.05550712f, 0.00967018f, 0.00132609f};
+
+inline __attribute__((always_inline)) float exp2_weight(float t) {
+  const float n = std::nearbyint(std::max(t, -127.0f)), f = t - n;
+  float y = kExp2Poly[5];
+  for (int i = 4; i >= 0; --i) y = std::fma(y, f, kExp2Poly[i]);
+  return std::ldexp(y, static_cast<int>(n));
 }
 
 #if defined(__AVX512F__)
-// exp_for_bf16 on 16 lanes.
-inline __m512 exp_for_bf16(__m512 x) {
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                 _mm512_set1_ps(-126.0f));
+// exp2_weight on 16 lanes: round, subtract, five FMAs and one scalef.
+inline __m512 exp2_weight(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(1.3333558e-3f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2Poly[5]), f, _mm512_set1_ps(kExp2Poly[4]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2Poly[3]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2Poly[2]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2Poly[1]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2Poly[0]));
+  return _mm512_scalef_ps(y, n);
 }
 
 // 16 fp32 lanes rounded to bf16 as float_to_bf16 rounds (finite values).
@@ -122,36 +118,48 @@ inline __m256i float_to_bf16(__m512 x) {
 #endif
 
 // Softmax of the first `visible` of `padded` scores into bf16 weights (bits; zero past
-// `visible`); returns 1 / (sum of the fp32 weights), applied to the output once.
-float softmax_row(const float* scores, int64_t visible, int64_t padded, float scale,
+// `visible`); returns 1 / (sum of the fp32 weights), applied to the output once. `scale2` is
+// the attention scale times log2(e).
+float softmax_row(const float* scores, int64_t visible, int64_t padded, float scale2,
                   uint16_t* probs) {
 #if defined(__AVX512F__)
-  __m512 top = _mm512_set1_ps(scores[0]);
-  for (int64_t j = 0; j < visible; j += 16) {
-    const __mmask16 in =
-        visible - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (visible - j)) - 1);
-    top = _mm512_mask_max_ps(top, in, top, _mm512_maskz_loadu_ps(in, scores + j));
-  }
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * scale);
-  const __m512 factor = _mm512_set1_ps(scale);
-  __m512 total = _mm512_setzero_ps();
+  const int64_t full = visible & ~int64_t{15};
+  const __mmask16 tail = static_cast<__mmask16>((1u << (visible - full)) - 1);
+  __m512 top0 = _mm512_set1_ps(scores[0]), top1 = top0;  // two chains of maxima
   int64_t j = 0;
-  for (; j < visible; j += 16) {
-    const __mmask16 in =
-        visible - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (visible - j)) - 1);
-    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + j), factor, shift);
-    const __m512 e = _mm512_maskz_mov_ps(in, exp_for_bf16(x));
-    total = _mm512_add_ps(total, e);
+  for (; j + 32 <= full; j += 32) {
+    top0 = _mm512_max_ps(top0, _mm512_loadu_ps(scores + j));
+    top1 = _mm512_max_ps(top1, _mm512_loadu_ps(scores + j + 16));
+  }
+  if (j < full) top0 = _mm512_max_ps(top0, _mm512_loadu_ps(scores + j));
+  top0 = _mm512_mask_max_ps(top0, tail, top0, _mm512_maskz_loadu_ps(tail, scores + full));
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
+  const __m512 factor = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(top * scale2);
+  __m512 total0 = _mm512_setzero_ps(), total1 = _mm512_setzero_ps();
+  for (j = 0; j < full; j += 16) {
+    const __m512 e = exp2_weight(_mm512_fmsub_ps(_mm512_loadu_ps(scores + j), factor, shift));
+    if (j & 16) {
+      total1 = _mm512_add_ps(total1, e);
+    } else {
+      total0 = _mm512_add_ps(total0, e);
+    }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + j), float_to_bf16(e));
   }
+  if (tail) {
+    const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, scores + j), factor, shift);
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp2_weight(x));
+    total0 = _mm512_add_ps(total0, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + j), float_to_bf16(e));
+    j += 16;
+  }
   std::fill(probs + j, probs + padded, uint16_t{0});  // j: visible rounded up to 16
-  return 1.0f / _mm512_reduce_add_ps(total);
+  return 1.0f / _mm512_reduce_add_ps(_mm512_add_ps(total0, total1));
 #else
   const float top = row_max(scores, visible);
   float total = 0.0f;
 #pragma omp simd reduction(+ : total)
   for (int64_t j = 0; j < visible; ++j) {
-    const float e = exp_for_bf16((scores[j] - top) * scale);
+    const float e = exp2_weight((scores[j] - top) * scale2);
     total += e;
     probs[j] = float_to_bf16(e);
   }
@@ -238,7 +246,7 @@ void pack_values(const BFloat16* v, int64_t length, int64_t padded, int64_t D, i
 // oneDNN packs (and its micro-kernels read) at most 64 columns of B at a time, so keys go in
 // blocks of kKeyBlock and value columns in blocks of up to 64; queries go kQueryRows at a time.
 void attend_brgemm(const BFloat16* q, const BFloat16* k, const BFloat16* v, BFloat16* out,
-                   int64_t start, int64_t length, int64_t kvh, const Layout& l, float scale,
+                   int64_t start, int64_t length, int64_t kvh, const Layout& l, float scale2,
                    bool causal, Scratch& s) {
   const int64_t D = l.dim, P = round_up(length, kKeyBlock);
   const int64_t group = l.heads / l.kv_heads;
@@ -269,7 +277,7 @@ void attend_brgemm(const BFloat16* q, const BFloat16* k, const BFloat16* v, BFlo
           continue;
         }
         const int64_t visible = causal ? i0 + r + 1 : length;
-        s.inverse[r] = softmax_row(&s.scores[r * P], visible, keys, scale, prow);
+        s.inverse[r] = softmax_row(&s.scores[r * P], visible, keys, scale2, prow);
       }
       for (int64_t n0 = 0; n0 < D; n0 += kValueBlock) {
         const int64_t nb = std::min(kValueBlock, D - n0);
@@ -341,14 +349,23 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     const auto* kd = k.const_data_ptr<BFloat16>();
     const auto* vd = v.const_data_ptr<BFloat16>();
     auto* od = out.mutable_data_ptr<BFloat16>();
-    const float fscale = static_cast<float>(scale);
+    const float scale2 = static_cast<float>(scale * 1.4426950408889634);  // scale * log2(e)
     share_tasks(static_cast<int64_t>(tasks.size()), [&](auto& next) {
+      // subnormal weights (exp of scores far below the row's maximum) flushed to zero: they
+      // cannot move a sum of at least 1, and computing them costs microcode assists
+#if defined(__x86_64__)
+      const unsigned int csr = _mm_getcsr();
+      _mm_setcsr(csr | kFlushSubnormals);
+#endif
       Scratch scratch;
       for (int64_t i = next(); i >= 0; i = next()) {
         const int64_t r = tasks[i] / kv_heads, h = tasks[i] % kv_heads;
-        attend_brgemm(qd, kd, vd, od, starts[r], lengths[r], h, l, fscale, causal, scratch);
+        attend_brgemm(qd, kd, vd, od, starts[r], lengths[r], h, l, scale2, causal, scratch);
       }
       cpublas::brgemm_release();
+#if defined(__x86_64__)
+      _mm_setcsr(csr);
+#endif
     });
     return;
   }
