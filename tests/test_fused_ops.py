@@ -94,3 +94,50 @@ def test_python_m_cenote_kernels_builds_both_extensions(capsys):
     assert main() == 0
     out = capsys.readouterr().out
     assert "quantized matmul / fused layers: ready" in out and "attention: ready" in out
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    """Rows where the first maximum is easy to get wrong: ties inside a lane and across lanes,
+    NaNs in the vector part and in the tail, -inf rows, signed zeros, rows shorter than a
+    vector and of lengths that are not a multiple of 16."""
+    generator = torch.Generator().manual_seed(0)
+    cases = [torch.randn(rows, n, generator=generator) for rows, n in [(1, 49152), (16, 1000)]]
+    cases += [torch.randn(3, n, generator=generator) for n in (1, 5, 15, 16, 17, 33, 257)]
+    ties = torch.randint(0, 4, (8, 300), generator=generator).float()  # many equal maxima
+    ties[1, 40] = ties[1, 200] = 9.0  # the same maximum in two lanes, 40 first
+    ties[2, 41] = ties[2, 25] = 9.0  # lane 9 before lane 1's later copy
+    cases.append(ties)
+    nans = torch.randn(6, 100, generator=generator)
+    nans[0, 50] = float("nan")  # in the vector part
+    nans[1, 98] = float("nan")  # in the tail (100 = 6 x 16 + 4)
+    nans[2, 0] = float("nan")
+    nans[3, 70] = nans[3, 20] = float("nan")  # the first one wins
+    nans[4, 10] = float("inf")
+    nans[4, 60] = float("nan")  # a NaN beats +inf
+    cases.append(nans)
+    cases.append(torch.full((2, 40), float("-inf")))  # every token masked: index 0, as torch
+    zeros = torch.full((2, 40), -1.0)
+    zeros[0, 7], zeros[0, 3] = 0.0, -0.0  # -0 == +0: the first of them
+    zeros[1, 35], zeros[1, 30] = -0.0, 0.0
+    cases.append(zeros)
+    return cases
+
+
+def test_argmax_rows_is_torchs_argmax():
+    """The same index as ``torch.argmax(x, -1)`` on every row: the first maximum, a NaN
+    counting as the maximum; non-contiguous rows too (through the sampler's wrapper)."""
+    from cenote.sampling.sampler import kernel_argmax
+
+    argmax = kernel_argmax()
+    for x in _argmax_cases():
+        expected = x.argmax(dim=-1)
+        assert torch.equal(quant_ops().argmax_rows(x), expected), x.shape
+        assert torch.equal(argmax(x), expected)
+        assert torch.equal(argmax(x.t().contiguous().t()), expected)  # column-major rows
+
+
+def test_argmax_rows_refuses_bad_input():
+    with pytest.raises(RuntimeError, match="fp32"):
+        quant_ops().argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match="fp32"):
+        quant_ops().argmax_rows(torch.zeros(2, 5, dtype=torch.float64))

@@ -89,6 +89,11 @@ class QuantOps(Protocol):
         """Rotate-half rotary embedding of the first ``width`` columns of ``qk``, in place."""
         ...
 
+    def argmax_rows(self, x: torch.Tensor, /) -> torch.Tensor:
+        """``x.argmax(-1)`` of fp32 rows ``[rows, n]`` (first maximum; a NaN counts as the
+        maximum), int64 ``[rows]``."""
+        ...
+
     def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, /) -> DecodeStack:  # noqa: N802
         """An empty stack of layers with these attention sizes (the pybind11 class)."""
         ...

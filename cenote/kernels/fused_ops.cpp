@@ -8,6 +8,7 @@
 //       x = weight * (residual * rsqrt(mean(residual^2) + eps)).to(dtype)   [in place]
 //   silu_and_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]
 //   rotary_(qk [T, H * D], cos [T, D], sin [T, D]): x * cos + rotate_half(x) * sin, in place
+//   argmax_rows(x [R, V] fp32) -> [R] int64: torch.argmax(x, -1) (the sampler's choice)
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,6 +20,10 @@
 #include <vector>
 
 #include "bf16_bits.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -148,6 +153,45 @@ void rotary_impl(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin, i
   });
 }
 
+// The index of the first maximum of x[0 .. n), as torch.argmax: a NaN counts as the maximum, so
+// the first NaN wins. Per AVX-512 lane the first strictly greater value is kept, then the
+// lanes holding the maximum give the smallest index; NaNs send the row to the scalar scan.
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t j = 0, best = 0;
+  float top = x[0];
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 vbest = _mm512_loadu_ps(x);
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i vindex = index;
+    __mmask16 nan = _mm512_cmp_ps_mask(vbest, vbest, _CMP_UNORD_Q);
+    for (j = 16; j + 16 <= n; j += 16) {
+      index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+      const __m512 v = _mm512_loadu_ps(x + j);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      vbest = _mm512_mask_mov_ps(vbest, greater, v);
+      vindex = _mm512_mask_mov_epi32(vindex, greater, index);
+    }
+    if (nan == 0) {
+      top = _mm512_reduce_max_ps(vbest);
+      const __mmask16 at = _mm512_cmp_ps_mask(vbest, _mm512_set1_ps(top), _CMP_EQ_OQ);
+      best = _mm512_mask_reduce_min_epi32(at, vindex);
+    } else {
+      j = 0;  // a NaN among the first j: the scalar scan finds the first one
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    if (std::isnan(x[j])) return j;
+    if (x[j] > top) {
+      top = x[j];
+      best = j;
+    }
+  }
+  return best;
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-d with contiguous rows");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
@@ -204,4 +248,17 @@ void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_
   } else {
     rotary_impl<uint16_t>(qk, cos, sin, width);
   }
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be fp32 [rows, n > 0] with contiguous rows");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.const_data_ptr<float>();
+  int64_t* op = out.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * stride, n);
+  });
+  return out;
 }

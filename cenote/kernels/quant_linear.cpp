@@ -434,6 +434,7 @@ void add_rms_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
                    const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_t width);
+at::Tensor argmax_rows(const at::Tensor& x);
 // decode_stack.cpp
 void bind_decode_stack(pybind11::module& m);
 
@@ -443,5 +444,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k heads, in place");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of fp32 rows");
   bind_decode_stack(m);
 }

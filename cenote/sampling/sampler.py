@@ -10,12 +10,38 @@ inside any batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from cenote.kernels import quant_ops
 from cenote.sampling.metadata import SamplingMetadata
+
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
+def kernel_argmax() -> Argmax:
+    """``argmax(-1)`` of fp32 rows on cenote's kernel (fused_ops.cpp ``argmax_rows``: the same
+    indices as torch, first maximum, a NaN counting as the maximum) where the kernels are built,
+    else torch's. torch's last-dimension argmax does not vectorize; measured (Intel Xeon, 2
+    threads) on [16, 49152] logits: 585 -> 32 us, [1, 49152]: 46 -> 4 us."""
+    ops = quant_ops()
+    if ops is None:
+        return torch_argmax
+    kernel = ops.argmax_rows
+
+    def argmax(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1]:
+            return kernel(x if x.stride(1) == 1 else x.contiguous())
+        return x.argmax(dim=-1)
+
+    return argmax
 
 
 @dataclass
@@ -38,6 +64,10 @@ class SamplerOutput:
 class Sampler(nn.Module):
     """Turns last-position logits into next tokens according to ``SamplingMetadata``."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.argmax = kernel_argmax()  # resolved (the kernels built or loaded) once, up front
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of ``logits`` [num_rows, vocab_size]; input is not modified.
 
@@ -58,7 +88,7 @@ class Sampler(nn.Module):
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
         # 4) choose
-        sampled = sample(logits, metadata)
+        sampled = sample(logits, metadata, self.argmax)
         # 5) logprobs of the chosen tokens
         logprobs = None
         if raw_logprobs is not None and num_logprobs is not None:
@@ -130,18 +160,20 @@ def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, metadata: SamplingMetadata, argmax: Argmax = torch_argmax
+) -> torch.Tensor:
     """Greedy rows take the argmax; the others go through temperature, top-k/top-p, min-p."""
     if metadata.all_greedy:  # also the empty batch
-        return logits.argmax(dim=-1)
-    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        return argmax(logits)
+    greedy = None if metadata.all_random else argmax(logits)
     logits = apply_temperature(logits, metadata.temperature)
     if not metadata.no_top_k_top_p:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
     probs = torch.softmax(logits, dim=-1)
-    sampled = random_sample(probs, metadata.generators)
+    sampled = random_sample(probs, metadata.generators, argmax)
     if greedy is None:
         return sampled
     return torch.where(metadata.greedy_mask, greedy, sampled)
@@ -184,7 +216,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def random_sample(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], argmax: Argmax = torch_argmax
+) -> torch.Tensor:
     """Exponential-race sampling: ``argmax(probs / q)`` with ``q ~ Exponential(1)``.
 
     Equivalent to drawing from ``probs``. Row ``i`` in ``generators`` draws its ``q`` from its
@@ -195,7 +229,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
         q.exponential_()
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
-    return probs.div(q).argmax(dim=-1)
+    return argmax(probs.div(q))
 
 
 def gather_logprobs(
