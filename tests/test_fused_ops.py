@@ -141,3 +141,61 @@ def test_argmax_rows_refuses_bad_input():
         quant_ops().argmax_rows(torch.zeros(2, 0))
     with pytest.raises(RuntimeError, match="fp32"):
         quant_ops().argmax_rows(torch.zeros(2, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dim", [384, 100, 16, 7])
+def test_layer_norm_in_place_is_torchs(dim):
+    """bf16 rows normalized in place: within one rounding of LayerNorm computed in fp64 (the
+    moments are fp32, as torch's; only their summation order differs), rows of any width
+    (masked tails), rows with a large common offset (the one-pass moments must not cancel), a
+    constant row (variance 0), strided rows; the module's ``normalize_`` returns its input."""
+    from cenote.models.layers.norm import LayerNorm
+
+    generator = torch.Generator().manual_seed(dim)
+    rows = torch.randn(70, dim, generator=generator) * 3
+    rows[1] += 1000.0  # offset much larger than the spread
+    rows[2] = 5.0  # constant: normalizes to the bias
+    norm = LayerNorm(dim, eps=1e-12).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=generator))
+        norm.bias.copy_(torch.randn(dim, generator=generator))
+    wide = torch.zeros(70, dim + 9, dtype=torch.bfloat16)
+    wide[:, :dim] = rows.to(torch.bfloat16)
+    x = wide[:, :dim]  # rows with a stride past their width
+    source = x.double()
+    reference = torch.nn.functional.layer_norm(
+        source, (dim,), norm.weight.double(), norm.bias.double(), 1e-12
+    )
+    with torch.inference_mode():
+        out = norm.normalize_(x)
+    assert out.data_ptr() == x.data_ptr()
+    assert torch.equal(wide[:, dim:], torch.zeros(70, 9, dtype=torch.bfloat16))
+    torch.testing.assert_close(out.double(), reference, rtol=2**-8, atol=1e-5)
+    assert torch.equal(out[2], norm.bias.detach())
+
+
+def test_layer_norm_falls_back_outside_bf16_rows():
+    """fp32 rows (and 3-d input) go through torch's LayerNorm, out of place."""
+    from cenote.models.layers.norm import LayerNorm
+
+    norm = LayerNorm(32)
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        out = norm.normalize_(x)
+        assert out.data_ptr() != x.data_ptr()
+        torch.testing.assert_close(
+            out, torch.nn.functional.layer_norm(x, (32,), norm.weight, norm.bias)
+        )
+        y = torch.randn(2, 3, 32, dtype=torch.bfloat16)
+        assert torch.equal(norm.to(torch.bfloat16).normalize_(y), norm(y))
+
+
+def test_layer_norm_refuses_bad_input():
+    ops = quant_ops()
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"weight and bias must be bf16 \[8\]"):
+        ops.layer_norm_(
+            x, torch.zeros(7, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16), 1e-5
+        )
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        ops.layer_norm_(x.float(), torch.zeros(8), torch.zeros(8), 1e-5)

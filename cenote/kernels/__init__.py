@@ -94,6 +94,13 @@ class QuantOps(Protocol):
         maximum), int64 ``[rows]``."""
         ...
 
+    def layer_norm_(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, /
+    ) -> None:
+        """LayerNorm of bf16 rows ``x [T, D]`` with bf16 ``weight`` and ``bias`` ``[D]``, in
+        place (statistics and the affine step in fp32, one rounding)."""
+        ...
+
     def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, /) -> DecodeStack:  # noqa: N802
         """An empty stack of layers with these attention sizes (the pybind11 class)."""
         ...

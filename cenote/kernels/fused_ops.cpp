@@ -9,6 +9,7 @@
 //   silu_and_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]
 //   rotary_(qk [T, H * D], cos [T, D], sin [T, D]): x * cos + rotate_half(x) * sin, in place
 //   argmax_rows(x [R, V] fp32) -> [R] int64: torch.argmax(x, -1) (the sampler's choice)
+//   layer_norm_(x [T, D] bf16, weight [D], bias [D], eps): torch's LayerNorm, in place
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -192,6 +193,67 @@ int64_t argmax_row(const float* x, int64_t n) {
   return best;
 }
 
+// LayerNorm of each bf16 row in place, as torch computes it: mean and rstd = 1 / sqrt(var + eps)
+// (biased variance) in fp32, y = (x * rstd - mean * rstd) * weight + bias in fp32, rounded
+// once. One pass for the moments: sums of d = x - x[0] and of d^2 in four chains each (the
+// shift by a value of the row keeps sum(d^2) / n - mean(d)^2 from cancelling).
+void layer_norm_bf16_rows(uint16_t* x, int64_t rows, int64_t dim, int64_t stride,
+                          const float* w, const float* b, float eps) {
+  const float inv_dim = 1.0f / static_cast<float>(dim);
+  at::parallel_for(0, rows, 32, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint16_t* xr = x + r * stride;
+      const float first = cenote_bf16::bf16_to_float(xr[0]);
+      float sum = 0.0f, squares = 0.0f;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      const __m512 k = _mm512_set1_ps(first);
+      __m512 s1[4], s2[4];
+      for (int i = 0; i < 4; ++i) s1[i] = s2[i] = _mm512_setzero_ps();
+      for (int64_t j = 0, i = 0; j < dim; j += 16, i = (i + 1) & 3) {
+        const __mmask16 in = dim - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (dim - j)) - 1);
+        const __m512 a = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, xr + j)), 16));
+        const __m512 d = _mm512_maskz_sub_ps(in, a, k);
+        s1[i] = _mm512_add_ps(s1[i], d);
+        s2[i] = _mm512_fmadd_ps(d, d, s2[i]);
+      }
+      sum = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(s1[0], s1[1]), _mm512_add_ps(s1[2], s1[3])));
+      squares = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(s2[0], s2[1]), _mm512_add_ps(s2[2], s2[3])));
+#else
+#pragma omp simd reduction(+ : sum, squares)
+      for (int64_t j = 0; j < dim; ++j) {
+        const float d = cenote_bf16::bf16_to_float(xr[j]) - first;
+        sum += d;
+        squares += d * d;
+      }
+#endif
+      const float shifted = sum * inv_dim, mean = first + shifted;
+      const float var = std::max(squares * inv_dim - shifted * shifted, 0.0f);
+      const float rstd = 1.0f / std::sqrt(var + eps), shift = -rstd * mean;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      const __m512 sc = _mm512_set1_ps(rstd), sh = _mm512_set1_ps(shift);
+      for (int64_t j = 0; j < dim; j += 16) {
+        const __mmask16 in = dim - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (dim - j)) - 1);
+        const __m512 a = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, xr + j)), 16));
+        const __m512 normed = _mm512_add_ps(_mm512_mul_ps(a, sc), sh);
+        const __m512 y = _mm512_add_ps(_mm512_mul_ps(normed, _mm512_maskz_loadu_ps(in, w + j)),
+                                       _mm512_maskz_loadu_ps(in, b + j));
+        _mm256_mask_storeu_epi16(xr + j, in, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
+      }
+#else
+#pragma omp simd
+      for (int64_t j = 0; j < dim; ++j) {
+        const float v = cenote_bf16::bf16_to_float(xr[j]);
+        xr[j] = cenote_bf16::float_to_bf16((v * rstd + shift) * w[j] + b[j]);
+      }
+#endif
+    }
+  });
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-d with contiguous rows");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
@@ -261,4 +323,26 @@ at::Tensor argmax_rows(const at::Tensor& x) {
     for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * stride, n);
   });
   return out;
+}
+
+// x = LayerNorm(x) * weight + bias in place, bf16 rows (weight, bias: bf16 [dim], as the
+// module holds them; widened to fp32 once per call).
+void layer_norm_(at::Tensor x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16");
+  const int64_t dim = x.size(1);
+  for (const at::Tensor* t : {&weight, &bias}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == dim && t->scalar_type() == at::kBFloat16 &&
+                    t->is_contiguous(),
+                "weight and bias must be bf16 [", dim, "]");
+  }
+  std::vector<float> w(dim), b(dim);
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.const_data_ptr());
+  const auto* bp = reinterpret_cast<const uint16_t*>(bias.const_data_ptr());
+  for (int64_t j = 0; j < dim; ++j) {
+    w[j] = cenote_bf16::bf16_to_float(wp[j]);
+    b[j] = cenote_bf16::bf16_to_float(bp[j]);
+  }
+  layer_norm_bf16_rows(reinterpret_cast<uint16_t*>(x.data_ptr()), x.size(0), dim, x.stride(0),
+                       w.data(), b.data(), static_cast<float>(eps));
 }

@@ -435,6 +435,7 @@ void add_rms_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_t width);
 at::Tensor argmax_rows(const at::Tensor& x);
+void layer_norm_(at::Tensor x, const at::Tensor& weight, const at::Tensor& bias, double eps);
 // decode_stack.cpp
 void bind_decode_stack(pybind11::module& m);
 
@@ -445,5 +446,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k heads, in place");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of fp32 rows");
+  m.def("layer_norm_", &layer_norm_, "LayerNorm of bf16 rows in place, statistics in fp32");
   bind_decode_stack(m);
 }

@@ -12,6 +12,7 @@ from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.linear import GELU_APPROXIMATE, TrunkLinear, linear_add, linear_gelu
+from cenote.models.layers.norm import LayerNorm
 from cenote.models.weights import copy_weight
 
 
@@ -22,7 +23,7 @@ class BertEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config["vocab_size"], hidden)
         self.position_embeddings = nn.Embedding(config["max_position_embeddings"], hidden)
         self.token_type_embeddings = nn.Embedding(config.get("type_vocab_size", 2), hidden)
-        self.LayerNorm = nn.LayerNorm(hidden, eps=config.get("layer_norm_eps", 1e-12))
+        self.LayerNorm = LayerNorm(hidden, eps=config.get("layer_norm_eps", 1e-12))
         self.position_offset = position_offset  # RoBERTa: positions start after padding_idx
 
     def forward(
@@ -35,7 +36,7 @@ class BertEmbeddings(nn.Module):
             x = x + self.token_type_embeddings.weight[0]
         else:
             x = x + self.token_type_embeddings(token_type_ids)
-        return self.LayerNorm(x)  # [num_tokens, hidden]
+        return self.LayerNorm.normalize_(x)  # [num_tokens, hidden]; x: this step's sum
 
 
 class BertLayer(nn.Module):
@@ -49,24 +50,25 @@ class BertLayer(nn.Module):
         self.qkv = TrunkLinear(hidden, 3 * hidden)
         self.attn = Attention(heads, self.head_dim, heads, layer_idx, self.head_dim**-0.5)
         self.attn_out = TrunkLinear(hidden, hidden)
-        self.attn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.attn_norm = LayerNorm(hidden, eps=eps)
         self.intermediate = TrunkLinear(hidden, config["intermediate_size"])
         activation = config.get("hidden_act", "gelu")
         self.act = get_activation(activation)
         self.gelu_approximate = GELU_APPROXIMATE.get(activation)  # None: not a GELU
         self.output = TrunkLinear(config["intermediate_size"], hidden)
-        self.output_norm = nn.LayerNorm(hidden, eps=eps)
+        self.output_norm = LayerNorm(hidden, eps=eps)
 
     def forward(self, x: torch.Tensor, mask_fn: EncoderMaskFn | None = None) -> torch.Tensor:
         """The GELU and both residual adds run as the matmuls' epilogues (``linear_gelu``,
-        ``linear_add``): one rounding to the dtype each, not two."""
+        ``linear_add``): one rounding to the dtype each, not two; the norms overwrite the sums
+        they normalize (temporaries of this layer)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        x = self.attn_norm(linear_add(self.attn_out, self.attn(q, k, v, mask_fn), x))
+        x = self.attn_norm.normalize_(linear_add(self.attn_out, self.attn(q, k, v, mask_fn), x))
         if self.gelu_approximate is None:
             inner = self.act(self.intermediate(x))
         else:
             inner = linear_gelu(self.intermediate, x, self.gelu_approximate)
-        return self.output_norm(linear_add(self.output, inner, x))
+        return self.output_norm.normalize_(linear_add(self.output, inner, x))
 
 
 # checkpoint name -> our name, for the parts of a layer whose names differ
