@@ -68,6 +68,7 @@ class EngineCore:
         release_freed_memory()  # the loader's temporaries, before the KV cache sets the peak
         if entry.is_causal:
             kv_manager, kv_caches = self._make_kv_cache()
+        keep_step_memory()  # from here on: steps, whose activations the next step reuses
         self.kv_cache_manager = kv_manager
         self.runner = ModelRunner(config, self.model, pooler, kv_caches)
         cacheable: frozenset[PoolingTask] = frozenset()  # tasks that may reuse the prefix cache
@@ -212,6 +213,39 @@ def release_freed_memory() -> None:
     except (OSError, AttributeError):  # not glibc
         return
     trim(ctypes.c_size_t(0))
+
+
+# glibc's mallopt parameters (malloc.h) and the values keep_step_memory sets
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_STEP_MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts
+_STEP_TRIM_THRESHOLD = 1 << 30
+
+
+def keep_step_memory() -> bool:
+    """Have glibc keep the memory one step frees for the next step; returns whether it took.
+
+    By default glibc serves an allocation above a threshold (which adapts, up to 32 MiB) with
+    fresh pages from the OS, and gives the top of its heap back as soon as more than twice that
+    threshold is free there. A step of a large batch frees about as much as it allocated (a
+    MiniLM step of 8,192 tokens: ~100 MB of activations, the largest 25 MB), so every step
+    faulted its activations in again. Fixed thresholds (allocations up to 32 MiB from the heap,
+    freed heap memory given back only beyond 1 GiB) keep a step's working set mapped; the
+    resident set then stays at its peak instead of returning to it every step. Measured (Intel
+    Xeon AMX, 2 threads, MiniLM bf16 over the peers corpus, alternated): 421-424 -> 467
+    chunks/s. Called once the model and the KV cache are allocated (loading and its peak are
+    unchanged); a no-op where the C library is not glibc or CENOTE_KEEP_STEP_MEMORY=0."""
+    if os.environ.get("CENOTE_KEEP_STEP_MEMORY") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, _STEP_MMAP_THRESHOLD)
+        and mallopt(_M_TRIM_THRESHOLD, _STEP_TRIM_THRESHOLD)
+    )
 
 
 def refused_output(request_id: str, error: Exception) -> EngineCoreOutput:
