@@ -114,6 +114,20 @@ def test_quant_linear_bf16_activations():
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+def test_fused_kernel_takes_bf16_rows_and_rounds_once():
+    """bf16 rows in, bf16 out: bit for bit the fp32 kernel on the widened rows, rounded by
+    torch's cast (the decode stack's projections call it so, without conversions around it)."""
+    ops = quant_ops()
+    for weight in _weights():
+        x = (torch.randn(5, 256) * 3).bfloat16()
+        args = (weight.qdata, weight.scales, weight.mins, weight.bits, weight.group)
+        got = ops.quant_matmul(x, *args)
+        assert got.dtype == torch.bfloat16 and got.shape == (5, weight.shape[0])
+        assert torch.equal(got, ops.quant_matmul(x.float(), *args).bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.quant_matmul(x.t().contiguous().t(), *args)
+
+
 def test_row_results_do_not_depend_on_the_batch():
     """A row's output is the same alone or among others (fused kernel rows are independent)."""
     weight = quantize_dense(torch.randn(96, 256), "int4")

@@ -36,8 +36,11 @@ struct Linear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (q.has_value() && x.size(0) <= fused_max_rows) {
-      at::Tensor out = quant_matmul(x.to(at::kFloat).contiguous(), *q, *scale, mn, bits, group)
-                           .to(x.scalar_type());
+      const bool native = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+      at::Tensor out = native ? quant_matmul(x.contiguous(), *q, *scale, mn, bits, group)
+                              : quant_matmul(x.to(at::kFloat).contiguous(), *q, *scale, mn,
+                                             bits, group)
+                                    .to(x.scalar_type());
       return bias.has_value() ? out + *bias : out;
     }
     TORCH_CHECK(packed.has_value(), "no dense weight for ", x.size(0), " rows");

@@ -264,8 +264,9 @@ def quant_linear(
     ops = quant_ops()
     rows = x.shape[0]
     if ops is not None and rows <= FUSED_MAX_ROWS:
+        native = x.dtype in (torch.float32, torch.bfloat16)  # the kernel's own in/out dtypes
         out = ops.quant_matmul(
-            x.float().contiguous(),
+            (x if native else x.float()).contiguous(),
             weight.qdata,
             weight.scales,
             weight.mins,
