@@ -21,6 +21,7 @@ from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.linear import TrunkLinear
+from cenote.models.layers.norm import LayerNorm
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
 from cenote.models.weights import load_by_name
 
@@ -76,18 +77,18 @@ class NomicBertLayer(nn.Module):
         self.Wqkv = TrunkLinear(hidden, 3 * heads * head_dim, bias=False)
         self.attn = Attention(heads, head_dim, heads, i, head_dim**-0.5)
         self.out_proj = TrunkLinear(heads * head_dim, hidden, bias=False)
-        self.norm1 = nn.LayerNorm(hidden, eps=eps)
+        self.norm1 = LayerNorm(hidden, eps=eps)
         self.fc11 = TrunkLinear(hidden, inner, bias=False)  # up
         self.fc12 = TrunkLinear(hidden, inner, bias=False)  # gate
         self.fc2 = TrunkLinear(inner, hidden, bias=False)
-        self.norm2 = nn.LayerNorm(hidden, eps=eps)
+        self.norm2 = LayerNorm(hidden, eps=eps)
         self.act = get_activation("silu")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.Wqkv(x).chunk(3, dim=-1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        x = self.norm1(x + self.out_proj(self.attn(q, k, v)))
-        return self.norm2(x + self.fc2(self.act(self.fc12(x)) * self.fc11(x)))
+        x = self.norm1.normalize_(x + self.out_proj(self.attn(q, k, v)))  # norms: over the sums
+        return self.norm2.normalize_(x + self.fc2(self.act(self.fc12(x)) * self.fc11(x)))
 
 
 # transformers' names (after ``layers.N.``) -> nomic's, which ours follow
@@ -133,7 +134,7 @@ class NomicBertModel(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, {"rope_theta": float(theta)})
         self.word_embeddings = nn.Embedding(config["vocab_size"], hidden)
         self.token_type_embeddings = nn.Embedding(int(config.get("type_vocab_size", 2)), hidden)
-        self.emb_ln = nn.LayerNorm(hidden, eps=eps)
+        self.emb_ln = LayerNorm(hidden, eps=eps)
         num_layers = int(_first(config, "num_hidden_layers", "n_layer"))
         self.layers = nn.ModuleList(
             NomicBertLayer(hidden, heads, head_dim, inner, eps, i) for i in range(num_layers)
@@ -147,7 +148,7 @@ class NomicBertModel(nn.Module):
             x = x + self.token_type_embeddings.weight[0]
         else:
             x = x + self.token_type_embeddings(token_type_ids)
-        x = self.emb_ln(x)
+        x = self.emb_ln.normalize_(x)  # x: this step's sum
         cos, sin = self.rotary.cos_sin(positions)
         for layer in self.layers:
             x = layer(x, cos, sin)

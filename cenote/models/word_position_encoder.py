@@ -15,6 +15,7 @@ from cenote.config import ModelConfig
 from cenote.models.bert import BertLayer
 from cenote.models.checkpoint_map import CheckpointMap, Slot, fused_slots, linear_slots
 from cenote.models.layers.attention import EncoderMaskFn
+from cenote.models.layers.norm import LayerNorm
 
 # BertLayer's modules after its fused qkv, in the order ``TrunkNames.modules`` lists them
 _LAYER_MODULES = ("attn_out", "attn_norm", "intermediate", "output", "output_norm")
@@ -29,14 +30,14 @@ class WordPositionEmbeddings(nn.Module):
         super().__init__()
         self.word_embeddings = nn.Embedding(vocab_size, hidden)
         self.position_embeddings = nn.Embedding(max_positions, hidden)
-        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+        self.LayerNorm = LayerNorm(hidden, eps=eps)
         self.position_offset = position_offset  # MPNet: positions start after padding_idx
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(
             positions + self.position_offset
         )
-        return self.LayerNorm(x)  # [num_tokens, hidden]
+        return self.LayerNorm.normalize_(x)  # [num_tokens, hidden]; x: this step's sum
 
 
 @dataclass(frozen=True)
