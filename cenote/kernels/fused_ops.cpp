@@ -193,6 +193,13 @@ int64_t argmax_row(const float* x, int64_t n) {
   return best;
 }
 
+#if defined(__AVX512F__)
+// The first min(left, 16) lanes of a 16-lane register.
+inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+#endif
+
 // LayerNorm of each bf16 row in place, as torch computes it: mean and rstd = 1 / sqrt(var + eps)
 // (biased variance) in fp32, y = (x * rstd - mean * rstd) * weight + bias in fp32, rounded
 // once. One pass for the moments: sums of d = x - x[0] and of d^2 in four chains each (the
@@ -210,7 +217,7 @@ void layer_norm_bf16_rows(uint16_t* x, int64_t rows, int64_t dim, int64_t stride
       __m512 s1[4], s2[4];
       for (int i = 0; i < 4; ++i) s1[i] = s2[i] = _mm512_setzero_ps();
       for (int64_t j = 0, i = 0; j < dim; j += 16, i = (i + 1) & 3) {
-        const __mmask16 in = dim - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (dim - j)) - 1);
+        const __mmask16 in = lanes(dim - j);
         const __m512 a = _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, xr + j)), 16));
         const __m512 d = _mm512_maskz_sub_ps(in, a, k);
@@ -235,7 +242,7 @@ void layer_norm_bf16_rows(uint16_t* x, int64_t rows, int64_t dim, int64_t stride
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       const __m512 sc = _mm512_set1_ps(rstd), sh = _mm512_set1_ps(shift);
       for (int64_t j = 0; j < dim; j += 16) {
-        const __mmask16 in = dim - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (dim - j)) - 1);
+        const __mmask16 in = lanes(dim - j);
         const __m512 a = _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, xr + j)), 16));
         const __m512 normed = _mm512_add_ps(_mm512_mul_ps(a, sc), sh);

@@ -302,8 +302,8 @@ at::Tensor quant_matmul_fp32(const at::Tensor& x, const at::Tensor& q, const at:
 
 // out [M, N] = x [M, K] @ dequant(w).T in x's dtype: fp32, or bf16 (its rows widened to fp32
 // here, the fp32 result rounded once to bf16 as torch's cast rounds). A bf16 caller so needs no
-// dtype conversions around the call: two torch ops of ~2 us each per projection, 8% of a
-// one-stream SmolLM2 decode step.
+// dtype conversions around the call: two dispatched torch ops per projection, 240 per
+// one-stream SmolLM2 decode step (measured: 142-147 -> 149-151 tok/s).
 at::Tensor quant_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group) {
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;

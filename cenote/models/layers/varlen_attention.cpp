@@ -78,9 +78,10 @@ struct Scratch {
 using cenote_bf16::float_to_bf16;
 
 // 2^t for t <= 0, accurate to 3e-7 relative (weights are rounded to bf16, 2^-9, but their sum
-// is not). 2^t = 2^n 2^f with n = round(t), |f| <= 1/2, and 2^f by a degree-5 polynomial (least
-// squares in relative error on [-1/2, 1/2]); below 2^-126 the result is zero or subnormal (the caller
-// flushes subnormals). The softmax folds log2(e) into its scale, so exp(x) = exp2_weight(x log2 e).
+// is not). 2^t = 2^n 2^f with n = round(t), |f| <= 1/2, and 2^f by a degree-5 polynomial
+// (least squares in relative error on [-1/2, 1/2]); below 2^-126 the result is zero or
+// subnormal (the caller flushes subnormals). The softmax folds log2(e) into its scale, so
+// exp(x) = exp2_weight(x log2 e).
 constexpr float kExp2Poly[6] = {1.0f,         0.69314700f, 0.24022225f,
                                 0.05550712f, 0.00967018f, 0.00132609f};
 
