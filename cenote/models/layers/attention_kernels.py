@@ -61,6 +61,11 @@ class AttentionOps(Protocol):
         ``causal``), written into ``out``."""
         ...
 
+    def varlen_micro_kernels(self) -> bool:
+        """Whether bf16 ``varlen_attention`` runs on oneDNN's micro-kernels here (AMX or
+        AVX512-BF16, checked once on a small product), not SDPA per request."""
+        ...
+
 
 @functools.cache
 def attention_ops() -> AttentionOps | None:
