@@ -151,12 +151,14 @@ class EngineArgs:
     max_logprobs: int = option(
         20, "most top logprobs (logprobs / top_logprobs / prompt_logprobs) a request may ask for"
     )
-    quantization: Literal["auto", "none", "int8", "int4"] = option(
+    quantization: Literal["auto", "none", "int8", "int4", "w8a8"] = option(
         "auto",
         "weight format of the linear layers. auto: a GGUF's quantized tensors stay quantized "
         "(4/8 bits + group scales, multiplied by a fused kernel), folders stay dense; none: "
         "dense; int8 / int4: weight-only quantization of a folder's linear layers (groups of "
-        "32) at load",
+        "32) at load; w8a8: a folder's trunk linears multiply int8 weights (per output "
+        "channel) by int8 activations (per row, at each step) where FLOPs bind (embeddings, "
+        "prefill); bf16 dtype, CPUs with AVX512-VNNI or AMX-INT8",
     )
     quantized_dense_copy: Literal["auto", "on", "off"] = option(
         "auto",

@@ -33,7 +33,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_QUANT_SOURCES = [_HERE / "quant_linear.cpp", _HERE / "fused_ops.cpp", _HERE / "decode_stack.cpp"]
+_QUANT_SOURCES = [
+    _HERE / "quant_linear.cpp",
+    _HERE / "fused_ops.cpp",
+    _HERE / "decode_stack.cpp",
+    _HERE / "int8_linear.cpp",
+]
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so dequantized values
 # and the fused elementwise ops round exactly as torch and gguf do
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
@@ -99,6 +104,31 @@ class QuantOps(Protocol):
     ) -> None:
         """LayerNorm of bf16 rows ``x [T, D]`` with bf16 ``weight`` and ``bias`` ``[D]``, in
         place (statistics and the affine step in fp32, one rounding)."""
+        ...
+
+    def int8_supported(self) -> bool:
+        """Whether the int8 micro-kernels (AMX-INT8, AVX512-VNNI) give the right product here
+        (checked once)."""
+        ...
+
+    def int8_pack(self, weight: torch.Tensor, /) -> list[torch.Tensor]:
+        """``weight [N, K]`` as int8 per output channel: [packed, scales fp32 [N],
+        column sums int32 [N]] (int8_linear.cpp)."""
+        ...
+
+    def int8_linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        col_sums: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        gelu: bool,
+        /,
+    ) -> torch.Tensor:
+        """w8a8 ``x [M, K] @ w.T + bias`` of bf16 rows quantized per row, then GELU (erf) or
+        ``+ residual``, rounded once to bf16 ``[M, N]``."""
         ...
 
     def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, /) -> DecodeStack:  # noqa: N802
@@ -199,6 +229,7 @@ def cpu_features() -> tuple[str, ...]:
         "avx512bw",
         "avx512vl",
         "avx512_bf16",
+        "avx512_vnni",
         "amx_bf16",
         "amx_int8",
     )

@@ -471,6 +471,12 @@ at::Tensor argmax_rows(const at::Tensor& x);
 void layer_norm_(at::Tensor x, const at::Tensor& weight, const at::Tensor& bias, double eps);
 // decode_stack.cpp
 void bind_decode_stack(pybind11::module& m);
+// int8_linear.cpp
+bool int8_supported();
+std::vector<at::Tensor> int8_pack(const at::Tensor& weight);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& col_sums, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& residual, bool gelu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "x @ dequant(w).T for few rows (fused), in x's dtype");
@@ -480,5 +486,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k heads, in place");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of fp32 rows");
   m.def("layer_norm_", &layer_norm_, "LayerNorm of bf16 rows in place, statistics in fp32");
+  m.def("int8_supported", &int8_supported, "whether the int8 micro-kernels work here");
+  m.def("int8_pack", &int8_pack, "int8 weight per output channel, packed for int8_linear");
+  m.def("int8_linear", &int8_linear, "w8a8 linear of bf16 rows, fused epilogue, bf16 out");
   bind_decode_stack(m);
 }

@@ -12,9 +12,9 @@ from safetensors import safe_open
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.kernels import quant_ops
+from cenote.kernels import cpu_features, quant_ops
 from cenote.models.interfaces import Model, PostLoad, QuantizedLoading
-from cenote.models.layers.linear import prepack_trunk
+from cenote.models.layers.linear import prepack_trunk, quantize_trunk_w8a8
 from cenote.models.layers.quant import keep_dense_copies, quantize_trunk
 from cenote.models.registry import load_model_class
 
@@ -91,10 +91,13 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     elif method in ("int8", "int4"):
         count = quantize_trunk(model, method)
         logger.info("quantized %d linear layers to %s (weight-only)", count, method)
+    elif method == "w8a8":
+        count = quantize_trunk_w8a8(model)
+        logger.info("%d linear layers multiply as w8a8 (int8 weights and activations)", count)
     prepack_trunk(model)
     if isinstance(model, PostLoad):
         model.post_load()  # after the cast: e.g. pack the LM head in the runtime dtype
-    if method is not None:
+    if method in ("gguf", "int8", "int4"):
         keep_dense_copies(model, model_config.dtype, model_config.quantized_dense_copy)
     return model
 
@@ -126,7 +129,31 @@ def _quantization(model_config: ModelConfig, model: nn.Module) -> str | None:
             f"quantization={asked!r} applies to safetensors folders; a GGUF keeps its own "
             "quantized tensors (quantization='auto') or loads dense ('none')"
         )
+    if asked == "w8a8":
+        _check_w8a8(model_config)
     return asked
+
+
+def _check_w8a8(model_config: ModelConfig) -> None:
+    """w8a8 multiplies bf16 rows on int8 dot-product instructions; refuse where it cannot."""
+    if model_config.dtype != torch.bfloat16:
+        raise ValueError(
+            f"quantization='w8a8' quantizes bf16 activations, but the dtype is "
+            f"{str(model_config.dtype).removeprefix('torch.')}; use dtype='bfloat16' (or 'auto' "
+            "on a CPU with native bf16)"
+        )
+    flags = set(cpu_features())
+    if not flags & {"avx512_vnni", "amx_int8"}:
+        raise ValueError(
+            "quantization='w8a8' needs int8 dot products (AVX512-VNNI or AMX-INT8); this CPU "
+            f"has {', '.join(sorted(flags)) or 'neither'}"
+        )
+    ops = quant_ops()
+    if ops is None or not ops.int8_supported():
+        raise RuntimeError(
+            "quantization='w8a8': torch's int8 micro-kernels did not give the right product "
+            "on a check here; use quantization='none'"
+        )
 
 
 def load_dense_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cenote.kernels import quant_ops
+
 logger = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -44,12 +46,40 @@ def packed_linear(
 
 class TrunkLinear(nn.Linear):
     """``nn.Linear`` that runs on a prepacked weight once ``prepack()`` was called (after the
-    weights are loaded and cast). The dense ``weight`` stays for state dicts and fallbacks."""
+    weights are loaded and cast), or on int8 weights and activations once ``quantize_w8a8()``
+    was. The dense ``weight`` stays for state dicts and fallbacks."""
 
     _packed: torch.Tensor | None = None
+    _int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def prepack(self) -> None:
-        self._packed = pack_weight(self.weight)
+        if self._int8 is None:  # w8a8 layers multiply on their int8 copy
+            self._packed = pack_weight(self.weight)
+
+    def quantize_w8a8(self) -> None:
+        """Multiply bf16 rows as int8 from now on: the weight per output channel (symmetric),
+        each row of ``x`` per call (cenote/kernels/int8_linear.cpp)."""
+        ops = quant_ops()
+        if ops is None:
+            raise RuntimeError("w8a8 needs the quantized-matmul kernels, which did not build")
+        packed, scales, col_sums = ops.int8_pack(self.weight.detach())
+        self._int8 = (packed, scales, col_sums)
+        self._packed = None
+
+    def _int8_linear(
+        self, x: torch.Tensor, residual: torch.Tensor | None, gelu: bool
+    ) -> torch.Tensor | None:
+        """The w8a8 product with its epilogue, or None where it does not apply to ``x``."""
+        if self._int8 is None or x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+            return None
+        if residual is not None and (residual.dtype != torch.bfloat16 or residual.stride(1) != 1):
+            return None
+        ops = quant_ops()
+        assert ops is not None  # _int8 is set only where the kernels built
+        bias = self.bias if self.bias is None or self.bias.dtype == torch.bfloat16 else None
+        if self.bias is not None and bias is None:
+            return None
+        return ops.int8_linear(x, *self._int8, bias, residual, gelu)
 
     @property
     def packed(self) -> torch.Tensor | None:
@@ -57,11 +87,18 @@ class TrunkLinear(nn.Linear):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._int8 is not None and (out := self._int8_linear(x, None, False)) is not None:
+            return out
         return packed_linear(x, self.weight, self._packed, self.bias)
 
     def forward_gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         """``gelu(self(x))``: on a packed weight the GELU (erf or tanh) is the matmul's oneDNN
-        epilogue, applied to the fp32 accumulators before the one rounding to the dtype."""
+        epilogue, applied to the fp32 accumulators before the one rounding to the dtype (and
+        so is the erf GELU of a w8a8 layer)."""
+        if self._int8 is not None and approximate == "none":
+            out = self._int8_linear(x, None, True)
+            if out is not None:
+                return out
         if self._fusable(x):
             return torch.ops.mkldnn._linear_pointwise(
                 x, self._packed, self.bias, "gelu", [], approximate
@@ -69,7 +106,10 @@ class TrunkLinear(nn.Linear):
         return F.gelu(self(x), approximate=approximate)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)``: on a packed weight the add is the matmul's oneDNN epilogue."""
+        """``residual + self(x)``: on a packed weight (or a w8a8 layer) the add is the matmul's
+        epilogue."""
+        if self._int8 is not None and (out := self._int8_linear(x, residual, False)) is not None:
+            return out
         if self._fusable(x) and residual.dtype == x.dtype and residual.is_contiguous():
             return torch.ops.mkldnn._linear_pointwise.binary(
                 x, residual, self._packed, self.bias, "add"
@@ -102,6 +142,16 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
     if isinstance(layer, TrunkLinear):
         return layer.forward_add(x, residual)
     return residual + layer(x)
+
+
+def quantize_trunk_w8a8(model: nn.Module) -> int:
+    """Every ``TrunkLinear`` of ``model`` multiplies as w8a8 from now on; returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, TrunkLinear):
+            module.quantize_w8a8()
+            count += 1
+    return count
 
 
 def prepack_trunk(model: nn.Module) -> int:
