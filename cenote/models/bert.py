@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
+from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import GELU_APPROXIMATE, TrunkLinear, linear_add, linear_gelu
 from cenote.models.layers.norm import LayerNorm
 from cenote.models.weights import copy_weight
@@ -20,9 +21,9 @@ class BertEmbeddings(nn.Module):
     def __init__(self, config: dict[str, Any], position_offset: int) -> None:
         super().__init__()
         hidden = config["hidden_size"]
-        self.word_embeddings = nn.Embedding(config["vocab_size"], hidden)
-        self.position_embeddings = nn.Embedding(config["max_position_embeddings"], hidden)
-        self.token_type_embeddings = nn.Embedding(config.get("type_vocab_size", 2), hidden)
+        self.word_embeddings = Embedding(config["vocab_size"], hidden)
+        self.position_embeddings = Embedding(config["max_position_embeddings"], hidden)
+        self.token_type_embeddings = Embedding(config.get("type_vocab_size", 2), hidden)
         self.LayerNorm = LayerNorm(hidden, eps=config.get("layer_norm_eps", 1e-12))
         self.position_offset = position_offset  # RoBERTa: positions start after padding_idx
 

@@ -31,6 +31,7 @@ from torch import nn
 from cenote.config import ModelConfig
 from cenote.models.decoder_base import DecoderBase
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
+from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import pack_weight, packed_linear
 from cenote.models.layers.norm import GemmaRMSNorm
 from cenote.models.layers.rotary import RotaryEmbedding
@@ -115,7 +116,7 @@ class Gemma3Model(nn.Module):
     def __init__(self, config: dict[str, Any], bidirectional: bool, causal: bool | None) -> None:
         super().__init__()
         hidden = config["hidden_size"]
-        self.embed_tokens = nn.Embedding(config["vocab_size"], hidden)
+        self.embed_tokens = Embedding(config["vocab_size"], hidden)
         self.embed_scale = hidden**0.5
         self.layer_types = gemma3_layer_types(config)
         window = config.get("sliding_window")

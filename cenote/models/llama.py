@@ -24,6 +24,7 @@ from cenote.models.decoder_base import FUSED, DecoderBase, map_name
 from cenote.models.layers.attention_kernels import attention_ops
 from cenote.models.layers.attention_plan import paged_plan
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
+from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
 from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.quant import QuantEmbedding, QuantizedWeight, QuantLinear
@@ -86,7 +87,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: dict[str, Any], options: DecoderOptions) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.embed_tokens = Embedding(config["vocab_size"], config["hidden_size"])
         self.windows = layer_windows(config, config["num_hidden_layers"])  # None: full attention
         layers = [LlamaDecoderLayer(config, options, i, w) for i, w in enumerate(self.windows)]
         self.layers = nn.ModuleList(layers)

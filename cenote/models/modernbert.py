@@ -21,6 +21,7 @@ from cenote.models.bert_classifiers import num_labels_of
 from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
+from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import TrunkLinear
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
 from cenote.models.weights import load_by_name
@@ -141,7 +142,7 @@ class ModernBertModel(nn.Module):
             kind: RotaryEmbedding(self.head_dim, rope_config(config, kind)) for kind in set(types)
         }
         self.half_window = int(config.get("local_attention", 128)) // 2
-        self.tok_embeddings = nn.Embedding(config["vocab_size"], self.hidden_size)
+        self.tok_embeddings = Embedding(config["vocab_size"], self.hidden_size)
         self.embedding_norm = _layer_norm(config)
         self.layers = nn.ModuleList(
             ModernBertLayer(config, i, kind == "sliding_attention") for i, kind in enumerate(types)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention
+from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import TrunkLinear
 from cenote.models.layers.norm import LayerNorm
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
@@ -132,8 +133,8 @@ class NomicBertModel(nn.Module):
         theta = theta if theta is not None else _first(config, "rotary_emb_base", default=1000.0)
         self.hidden_size = hidden
         self.rotary = RotaryEmbedding(head_dim, {"rope_theta": float(theta)})
-        self.word_embeddings = nn.Embedding(config["vocab_size"], hidden)
-        self.token_type_embeddings = nn.Embedding(int(config.get("type_vocab_size", 2)), hidden)
+        self.word_embeddings = Embedding(config["vocab_size"], hidden)
+        self.token_type_embeddings = Embedding(int(config.get("type_vocab_size", 2)), hidden)
         self.emb_ln = LayerNorm(hidden, eps=eps)
         num_layers = int(_first(config, "num_hidden_layers", "n_layer"))
         self.layers = nn.ModuleList(

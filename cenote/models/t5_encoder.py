@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
+from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import TrunkLinear
 from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.relative_position import RelativePositionBias
@@ -97,7 +98,7 @@ class T5EncoderModel(nn.Module):
         self.hidden_size = config["d_model"]
         num_buckets = int(config.get("relative_attention_num_buckets", 32))
         max_distance = int(config.get("relative_attention_max_distance", 128))
-        self.embed_tokens = nn.Embedding(config["vocab_size"], self.hidden_size)
+        self.embed_tokens = Embedding(config["vocab_size"], self.hidden_size)
         self.relative_attention_bias = RelativePositionBias(
             num_buckets, config["num_heads"], num_buckets, max_distance
         )

@@ -15,6 +15,7 @@ from cenote.config import ModelConfig
 from cenote.models.bert import BertLayer
 from cenote.models.checkpoint_map import CheckpointMap, Slot, fused_slots, linear_slots
 from cenote.models.layers.attention import EncoderMaskFn
+from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.norm import LayerNorm
 
 # BertLayer's modules after its fused qkv, in the order ``TrunkNames.modules`` lists them
@@ -28,8 +29,8 @@ class WordPositionEmbeddings(nn.Module):
         self, vocab_size: int, max_positions: int, hidden: int, eps: float, position_offset: int
     ) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(vocab_size, hidden)
-        self.position_embeddings = nn.Embedding(max_positions, hidden)
+        self.word_embeddings = Embedding(vocab_size, hidden)
+        self.position_embeddings = Embedding(max_positions, hidden)
         self.LayerNorm = LayerNorm(hidden, eps=eps)
         self.position_offset = position_offset  # MPNet: positions start after padding_idx
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from cenote.models.layers.attention import EncoderMaskFn
+from cenote.models.layers.embedding import Embedding
 
 
 def relative_position_bucket(
@@ -32,7 +32,7 @@ def relative_position_bucket(
     return buckets + torch.where(is_small, distance, large)
 
 
-class RelativePositionBias(nn.Embedding):
+class RelativePositionBias(Embedding):
     """The table ``[table_size, heads]`` (checkpoints' ``relative_attention_bias.weight``),
     indexed by ``num_buckets`` buckets (MPNet's table may be larger than what it indexes)."""
 
