@@ -21,10 +21,11 @@ from functools import partial
 from typing import Any
 
 import torch
-from gguf import GGUFReader, PoolingType, ReaderTensor
+from gguf import PoolingType, ReaderTensor
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordPiece
 
+from cenote.models.gguf_file import GGUFFile
 from cenote.models.gguf_loader import (
     CONTROL_TOKEN_TYPE,
     GGUFError,
@@ -87,7 +88,7 @@ _POOLING: dict[int, PoolingMethodName | None] = {
 }
 
 
-def build_encoder_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
+def build_encoder_config(reader: GGUFFile, architecture: str) -> dict[str, Any]:
     """A config.json-style dict for BertModel / NomicBertModel from ``{arch}.*`` metadata."""
     arch = partial(arch_field, reader, architecture)
     if arch("attention.causal", False):
@@ -106,7 +107,7 @@ def build_encoder_config(reader: GGUFReader, architecture: str) -> dict[str, Any
     return config
 
 
-def _type_vocab_size(reader: GGUFReader) -> int:
+def _type_vocab_size(reader: GGUFFile) -> int:
     """``tokenizer.ggml.token_type_count``, else the rows of the ``token_types`` tensor."""
     count = read_field(reader, "tokenizer.ggml.token_type_count")
     if count is not None:
@@ -117,7 +118,7 @@ def _type_vocab_size(reader: GGUFReader) -> int:
     return 2
 
 
-def encoder_st_config(reader: GGUFReader, architecture: str) -> SentenceTransformerConfig | None:
+def encoder_st_config(reader: GGUFFile, architecture: str) -> SentenceTransformerConfig | None:
     """The embedding pooling a file declares (``{arch}.pooling_type``), normalized as llama.cpp
     returns embeddings; None when the file declares none."""
     kind = read_field(reader, f"{architecture}.pooling_type")
@@ -138,7 +139,7 @@ def _pooling_name(kind: int) -> str:
         return "unknown"
 
 
-def build_wordpiece_tokenizer(reader: GGUFReader) -> Tokenizer:
+def build_wordpiece_tokenizer(reader: GGUFFile) -> Tokenizer:
     """BERT's WordPiece tokenizer from a ``tokenizer.ggml.model = "bert"`` vocabulary."""
     tokens: list[str] = read_field(reader, "tokenizer.ggml.tokens")
     token_types: list[int] = read_field(reader, "tokenizer.ggml.token_type") or []
@@ -192,7 +193,7 @@ def build_wordpiece_tokenizer(reader: GGUFReader) -> Tokenizer:
     return tokenizer
 
 
-def _first_id(reader: GGUFReader, *names: str) -> int | None:
+def _first_id(reader: GGUFFile, *names: str) -> int | None:
     for name in names:
         value = read_field(reader, f"tokenizer.ggml.{name}")
         if value is not None:

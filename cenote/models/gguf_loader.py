@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from cenote.models.gguf_file import GGUFFile
 from cenote.models.st_config import SentenceTransformerConfig
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class GGUFCheckpoint:
     chat_template: str | None  # tokenizer.chat_template, a Jinja template
     bos_token_id: int | None  # tokenizer.ggml.bos_token_id
     eos_token_id: int | None  # tokenizer.ggml.eos_token_id
-    reader: GGUFReader  # the open (memory-mapped) file
+    reader: GGUFFile  # the header read, tensor data memory-mapped
     st_config: SentenceTransformerConfig | None = None  # pooling from {arch}.pooling_type
 
     def __reduce__(self) -> tuple[Any, tuple[Path]]:
@@ -241,7 +242,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     `GGUFError` for an architecture or tokenizer this loader does not support.
     """
     path = Path(path)
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     config = build_config(reader)
     architecture = read_field(reader, "general.architecture")
     st_config = None
@@ -261,10 +262,10 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     )
 
 
-def read_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def read_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """The value of metadata `key` (a str, number, bool or list), or `default` when absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
 def float32_value(value: float) -> float:
@@ -272,12 +273,12 @@ def float32_value(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def arch_field(reader: GGUFReader, architecture: str, key: str, default: Any = None) -> Any:
+def arch_field(reader: GGUFFile, architecture: str, key: str, default: Any = None) -> Any:
     """The architecture's metadata ``{architecture}.{key}``, or ``default`` when absent."""
     return read_field(reader, f"{architecture}.{key}", default)
 
 
-def base_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
+def base_config(reader: GGUFFile, architecture: str) -> dict[str, Any]:
     """The config.json keys every architecture reads alike: its Hugging Face names, sizes,
     context length, vocabulary size and padding token."""
     hf_architecture, model_type = ARCHITECTURES[architecture]
@@ -298,7 +299,7 @@ def base_config(reader: GGUFReader, architecture: str) -> dict[str, Any]:
     return config
 
 
-def build_config(reader: GGUFReader) -> dict[str, Any]:
+def build_config(reader: GGUFFile) -> dict[str, Any]:
     """A Hugging Face config.json-style dict from `{arch}.*` and `tokenizer.ggml.*` metadata."""
     architecture = read_field(reader, "general.architecture")
     if architecture not in ARCHITECTURES:
@@ -328,7 +329,7 @@ def build_config(reader: GGUFReader) -> dict[str, Any]:
     return config
 
 
-def build_rope_scaling(reader: GGUFReader, architecture: str) -> dict[str, Any] | None:
+def build_rope_scaling(reader: GGUFFile, architecture: str) -> dict[str, Any] | None:
     """HF `rope_scaling` for linear / yarn scaling, None when the file states none."""
     kind = read_field(reader, f"{architecture}.rope.scaling.type")
     if kind in (None, "none"):
@@ -358,7 +359,7 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def build_tokenizer(reader: GGUFReader) -> Tokenizer:
+def build_tokenizer(reader: GGUFFile) -> Tokenizer:
     """A `tokenizers.Tokenizer` equivalent to llama.cpp's for this file (byte-level BPE, or
     BERT WordPiece as the original tokenizer splits text)."""
     model = read_field(reader, "tokenizer.ggml.model")
@@ -422,7 +423,7 @@ def build_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def build_post_processor(reader: GGUFReader, tokens: list[str]) -> processors.PostProcessor:
+def build_post_processor(reader: GGUFFile, tokens: list[str]) -> processors.PostProcessor:
     """Template adding BOS / EOS per `tokenizer.ggml.add_bos_token` / `add_eos_token`."""
     bos_id = read_field(reader, "tokenizer.ggml.bos_token_id")
     eos_id = read_field(reader, "tokenizer.ggml.eos_token_id")
