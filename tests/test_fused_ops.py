@@ -199,3 +199,84 @@ def test_layer_norm_refuses_bad_input():
         )
     with pytest.raises(RuntimeError, match="x must be bf16"):
         ops.layer_norm_(x.float(), torch.zeros(8), torch.zeros(8), 1e-5)
+
+
+@pytest.mark.parametrize("dim", [384, 100, 7])
+def test_add_layer_norm_normalizes_the_fp32_sum(dim):
+    """``add_normalize_``: LayerNorm of x + residual, the sum kept in fp32 (not rounded to bf16),
+    written over x: within one rounding of fp64 on strided rows and a residual that cancels x
+    (a constant sum), residual untouched; the fallback (fp32 rows) is torch's norm of the sum."""
+    from cenote.models.layers.norm import LayerNorm
+
+    generator = torch.Generator().manual_seed(dim)
+    norm = LayerNorm(dim, eps=1e-12).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=generator))
+        norm.bias.copy_(torch.randn(dim, generator=generator))
+    wide = torch.zeros(40, dim + 5, dtype=torch.bfloat16)
+    wide[:, :dim] = (torch.randn(40, dim, generator=generator) * 3).to(torch.bfloat16)
+    x = wide[:, :dim]
+    residual = (torch.randn(40, dim, generator=generator) * 2 + 100).to(torch.bfloat16)
+    residual[3] = -x[3] + 7.0  # x + residual is 7 everywhere (bf16 rounding aside)
+    kept = residual.clone()
+    total = x.double() + residual.double()  # the exact sum, as the kernel keeps it
+    reference = torch.nn.functional.layer_norm(
+        total, (dim,), norm.weight.double(), norm.bias.double(), 1e-12
+    )
+    with torch.inference_mode():
+        out = norm.add_normalize_(x, residual)
+    assert out.data_ptr() == x.data_ptr()
+    assert torch.equal(residual, kept)
+    assert torch.equal(wide[:, dim:], torch.zeros(40, 5, dtype=torch.bfloat16))
+    exact = [r for r in range(40) if r != 3]  # row 3's sum is 7 +- bf16 rounding of x: skip
+    torch.testing.assert_close(out[exact].double(), reference[exact], rtol=2**-8, atol=1e-5)
+    fp32 = LayerNorm(dim)
+    a, b = torch.randn(4, dim), torch.randn(4, dim)
+    with torch.inference_mode():
+        expected = torch.nn.functional.layer_norm(a + b, (dim,), fp32.weight, fp32.bias)
+        torch.testing.assert_close(fp32.add_normalize_(a.clone(), b), expected)
+
+
+def test_add_layer_norm_refuses_a_residual_of_another_shape():
+    ops = quant_ops()
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    w = torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"residual must be bf16 \[3, 8\]"):
+        ops.add_layer_norm_(x, torch.zeros(2, 8, dtype=torch.bfloat16), w, w, 1e-5)
+    with pytest.raises(RuntimeError, match=r"residual must be bf16 \[3, 8\]"):
+        ops.add_layer_norm_(x, torch.zeros(3, 8), w, w, 1e-5)
+
+
+def test_linear_add_norm_sums_in_the_norm_only_where_chosen(monkeypatch):
+    """``linear_add_norm`` gives the layer's output either way (to bf16 rounding against fp64),
+    and adds in the norm exactly where ``residual_add_in_norm`` says so."""
+    from cenote.models.layers import linear as linear_module
+    from cenote.models.layers.linear import TrunkLinear, linear_add_norm
+    from cenote.models.layers.norm import LayerNorm
+
+    generator = torch.Generator().manual_seed(0)
+    layer = TrunkLinear(64, 32).to(torch.bfloat16)
+    norm = LayerNorm(32).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(32, 64, generator=generator) * 0.2)
+        layer.bias.copy_(torch.randn(32, generator=generator))
+    layer.prepack()
+    x = torch.randn(50, 64, generator=generator).to(torch.bfloat16)
+    residual = torch.randn(50, 32, generator=generator).to(torch.bfloat16)
+    reference = torch.nn.functional.layer_norm(
+        x.double() @ layer.weight.double().T + layer.bias.double() + residual.double(), (32,)
+    )
+    calls = []
+    real = LayerNorm.add_normalize_
+
+    def spy(self, y, r):
+        calls.append(y.shape)
+        return real(self, y, r)
+
+    monkeypatch.setattr(LayerNorm, "add_normalize_", spy)
+    for in_norm in (False, True):
+        monkeypatch.setattr(linear_module, "residual_add_in_norm", lambda v=in_norm: v)
+        with torch.inference_mode():
+            out = linear_add_norm(layer, x, residual.clone(), norm)
+        assert len(calls) == int(in_norm)
+        torch.testing.assert_close(out.double(), reference, rtol=2**-6, atol=2**-6)

@@ -106,6 +106,18 @@ class QuantOps(Protocol):
         place (statistics and the affine step in fp32, one rounding)."""
         ...
 
+    def add_layer_norm_(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        eps: float,
+        /,
+    ) -> None:
+        """``layer_norm_`` of ``x + residual`` (added in fp32, not rounded), written over ``x``."""
+        ...
+
     def int8_supported(self) -> bool:
         """Whether the int8 micro-kernels (AMX-INT8, AVX512-VNNI) give the right product here
         (checked once)."""

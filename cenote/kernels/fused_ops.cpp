@@ -10,6 +10,7 @@
 //   rotary_(qk [T, H * D], cos [T, D], sin [T, D]): x * cos + rotate_half(x) * sin, in place
 //   argmax_rows(x [R, V] fp32) -> [R] int64: torch.argmax(x, -1) (the sampler's choice)
 //   layer_norm_(x [T, D] bf16, weight [D], bias [D], eps): torch's LayerNorm, in place
+//   add_layer_norm_(x, residual?, weight, bias, eps): x = LayerNorm(x + residual), the sum in fp32
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -204,13 +205,29 @@ inline __mmask16 lanes(int64_t left) {
 // (biased variance) in fp32, y = (x * rstd - mean * rstd) * weight + bias in fp32, rounded
 // once. One pass for the moments: sums of d = x - x[0] and of d^2 in four chains each (the
 // shift by a value of the row keeps sum(d^2) / n - mean(d)^2 from cancelling).
+// With ``res`` (rows of stride ``res_stride``), the row normalized is x + res, added in fp32.
 void layer_norm_bf16_rows(uint16_t* x, int64_t rows, int64_t dim, int64_t stride,
-                          const float* w, const float* b, float eps) {
+                          const uint16_t* res, int64_t res_stride, const float* w,
+                          const float* b, float eps) {
   const float inv_dim = 1.0f / static_cast<float>(dim);
   at::parallel_for(0, rows, 32, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       uint16_t* xr = x + r * stride;
-      const float first = cenote_bf16::bf16_to_float(xr[0]);
+      const uint16_t* rr = res ? res + r * res_stride : nullptr;
+      const auto at = [&](int64_t j) {
+        const float v = cenote_bf16::bf16_to_float(xr[j]);
+        return rr ? v + cenote_bf16::bf16_to_float(rr[j]) : v;
+      };
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      const auto load = [&](__mmask16 in, int64_t j) {
+        const auto widen = [&](const uint16_t* p) {
+          return _mm512_castsi512_ps(
+              _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, p + j)), 16));
+        };
+        return rr ? _mm512_add_ps(widen(xr), widen(rr)) : widen(xr);
+      };
+#endif
+      const float first = at(0);
       float sum = 0.0f, squares = 0.0f;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       const __m512 k = _mm512_set1_ps(first);
@@ -218,9 +235,7 @@ void layer_norm_bf16_rows(uint16_t* x, int64_t rows, int64_t dim, int64_t stride
       for (int i = 0; i < 4; ++i) s1[i] = s2[i] = _mm512_setzero_ps();
       for (int64_t j = 0, i = 0; j < dim; j += 16, i = (i + 1) & 3) {
         const __mmask16 in = lanes(dim - j);
-        const __m512 a = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, xr + j)), 16));
-        const __m512 d = _mm512_maskz_sub_ps(in, a, k);
+        const __m512 d = _mm512_maskz_sub_ps(in, load(in, j), k);
         s1[i] = _mm512_add_ps(s1[i], d);
         s2[i] = _mm512_fmadd_ps(d, d, s2[i]);
       }
@@ -231,7 +246,7 @@ void layer_norm_bf16_rows(uint16_t* x, int64_t rows, int64_t dim, int64_t stride
 #else
 #pragma omp simd reduction(+ : sum, squares)
       for (int64_t j = 0; j < dim; ++j) {
-        const float d = cenote_bf16::bf16_to_float(xr[j]) - first;
+        const float d = at(j) - first;
         sum += d;
         squares += d * d;
       }
@@ -243,9 +258,7 @@ void layer_norm_bf16_rows(uint16_t* x, int64_t rows, int64_t dim, int64_t stride
       const __m512 sc = _mm512_set1_ps(rstd), sh = _mm512_set1_ps(shift);
       for (int64_t j = 0; j < dim; j += 16) {
         const __mmask16 in = lanes(dim - j);
-        const __m512 a = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, xr + j)), 16));
-        const __m512 normed = _mm512_add_ps(_mm512_mul_ps(a, sc), sh);
+        const __m512 normed = _mm512_add_ps(_mm512_mul_ps(load(in, j), sc), sh);
         const __m512 y = _mm512_add_ps(_mm512_mul_ps(normed, _mm512_maskz_loadu_ps(in, w + j)),
                                        _mm512_maskz_loadu_ps(in, b + j));
         _mm256_mask_storeu_epi16(xr + j, in, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
@@ -253,8 +266,7 @@ void layer_norm_bf16_rows(uint16_t* x, int64_t rows, int64_t dim, int64_t stride
 #else
 #pragma omp simd
       for (int64_t j = 0; j < dim; ++j) {
-        const float v = cenote_bf16::bf16_to_float(xr[j]);
-        xr[j] = cenote_bf16::float_to_bf16((v * rstd + shift) * w[j] + b[j]);
+        xr[j] = cenote_bf16::float_to_bf16((at(j) * rstd + shift) * w[j] + b[j]);
       }
 #endif
     }
@@ -334,7 +346,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 // x = LayerNorm(x) * weight + bias in place, bf16 rows (weight, bias: bf16 [dim], as the
 // module holds them; widened to fp32 once per call).
-void layer_norm_(at::Tensor x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+void add_layer_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
+                     const at::Tensor& weight, const at::Tensor& bias, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16");
   const int64_t dim = x.size(1);
@@ -350,6 +363,20 @@ void layer_norm_(at::Tensor x, const at::Tensor& weight, const at::Tensor& bias,
     w[j] = cenote_bf16::bf16_to_float(wp[j]);
     b[j] = cenote_bf16::bf16_to_float(bp[j]);
   }
+  const uint16_t* res = nullptr;
+  int64_t res_stride = 0;
+  if (residual.has_value()) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == at::kBFloat16 && residual->size(0) == x.size(0) &&
+                    residual->size(1) == dim,
+                "residual must be bf16 [", x.size(0), ", ", dim, "], got ", residual->sizes());
+    res = reinterpret_cast<const uint16_t*>(residual->const_data_ptr());
+    res_stride = residual->stride(0);
+  }
   layer_norm_bf16_rows(reinterpret_cast<uint16_t*>(x.data_ptr()), x.size(0), dim, x.stride(0),
-                       w.data(), b.data(), static_cast<float>(eps));
+                       res, res_stride, w.data(), b.data(), static_cast<float>(eps));
+}
+
+void layer_norm_(at::Tensor x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  add_layer_norm_(x, c10::nullopt, weight, bias, eps);
 }

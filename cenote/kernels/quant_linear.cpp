@@ -469,6 +469,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_t width);
 at::Tensor argmax_rows(const at::Tensor& x);
 void layer_norm_(at::Tensor x, const at::Tensor& weight, const at::Tensor& bias, double eps);
+void add_layer_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
+                     const at::Tensor& weight, const at::Tensor& bias, double eps);
 // decode_stack.cpp
 void bind_decode_stack(pybind11::module& m);
 // int8_linear.cpp
@@ -486,6 +488,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k heads, in place");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of fp32 rows");
   m.def("layer_norm_", &layer_norm_, "LayerNorm of bf16 rows in place, statistics in fp32");
+  m.def("add_layer_norm_", &add_layer_norm_, "x = LayerNorm(x + residual) of bf16 rows in place");
   m.def("int8_supported", &int8_supported, "whether the int8 micro-kernels work here");
   m.def("int8_pack", &int8_pack, "int8 weight per output channel, packed for int8_linear");
   m.def("int8_linear", &int8_linear, "w8a8 linear of bf16 rows, fused epilogue, bf16 out");

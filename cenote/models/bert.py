@@ -12,7 +12,12 @@ from cenote.config import ModelConfig
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.embedding import Embedding
-from cenote.models.layers.linear import GELU_APPROXIMATE, TrunkLinear, linear_add, linear_gelu
+from cenote.models.layers.linear import (
+    GELU_APPROXIMATE,
+    TrunkLinear,
+    linear_add_norm,
+    linear_gelu,
+)
 from cenote.models.layers.norm import LayerNorm
 from cenote.models.weights import copy_weight
 
@@ -60,16 +65,17 @@ class BertLayer(nn.Module):
         self.output_norm = LayerNorm(hidden, eps=eps)
 
     def forward(self, x: torch.Tensor, mask_fn: EncoderMaskFn | None = None) -> torch.Tensor:
-        """The GELU and both residual adds run as the matmuls' epilogues (``linear_gelu``,
-        ``linear_add``): one rounding to the dtype each, not two; the norms overwrite the sums
-        they normalize (temporaries of this layer)."""
+        """The GELU runs as the matmul's epilogue (``linear_gelu``), each residual add either
+        as the matmul's epilogue or inside the LayerNorm kernel, whichever this CPU runs faster
+        (``linear_add_norm``); the norms overwrite the sums they normalize (temporaries of this
+        layer)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        x = self.attn_norm.normalize_(linear_add(self.attn_out, self.attn(q, k, v, mask_fn), x))
+        x = linear_add_norm(self.attn_out, self.attn(q, k, v, mask_fn), x, self.attn_norm)
         if self.gelu_approximate is None:
             inner = self.act(self.intermediate(x))
         else:
             inner = linear_gelu(self.intermediate, x, self.gelu_approximate)
-        return self.output_norm.normalize_(linear_add(self.output, inner, x))
+        return linear_add_norm(self.output, inner, x, self.output_norm)
 
 
 # checkpoint name -> our name, for the parts of a layer whose names differ
