@@ -137,3 +137,13 @@ def test_damaged_gguf_is_a_clear_error_through_llm(tmp_path: Path) -> None:
     path.write_bytes(smollm2_path().read_bytes()[:4096])
     with pytest.raises(GGUFFormatError, match="truncated header"):
         LLM(str(path))
+
+
+def test_a_damaged_file_is_a_gguf_error(tmp_path: Path) -> None:
+    """Callers that catch the loader's GGUFError catch a damaged file too."""
+    from cenote.models.gguf_loader import GGUFError, load_gguf
+
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(GGUFError, match="truncated header: 4 bytes wanted at offset 4"):
+        load_gguf(path)

@@ -59,7 +59,11 @@ _ELEMENT_DTYPES: dict[GGMLQuantizationType, type[np.generic]] = {  # unquantized
 }
 
 
-class GGUFFormatError(ValueError):
+class GGUFError(ValueError):
+    """A GGUF file this loader cannot turn into a checkpoint (unknown architecture, tokenizer, ...)."""
+
+
+class GGUFFormatError(GGUFError):
     """The file is not a GGUF this reader can read (the message says where and why)."""
 
 
@@ -169,7 +173,7 @@ class GGUFFile:
             message = f"{self.path}: tensor {name!r} has unknown type {raw_type}"
             raise GGUFFormatError(message) from None
         block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-        n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        n_elements = int(np.prod(dims, dtype=np.int64))  # 1 for a scalar
         n_bytes = n_elements * type_size // block_size
         begin = start + offset
         if begin + n_bytes > len(data):

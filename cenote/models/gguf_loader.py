@@ -31,6 +31,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from cenote.models.gguf_file import GGUFError as GGUFError  # re-exported: raised here too
 from cenote.models.gguf_file import GGUFFile
 from cenote.models.st_config import SentenceTransformerConfig
 
@@ -111,10 +112,6 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 }
 CONTROL_TOKEN_TYPE = 3  # llama.cpp token_type for special tokens like <|im_start|>
 USER_DEFINED_TOKEN_TYPE = 4  # llama.cpp token_type for added, non-special tokens like <think>
-
-
-class GGUFError(ValueError):
-    """A GGUF file this loader cannot turn into a checkpoint (unknown architecture, tokenizer, ...)."""
 
 
 @dataclass
