@@ -147,3 +147,41 @@ def test_a_damaged_file_is_a_gguf_error(tmp_path: Path) -> None:
     path.write_bytes(b"GGUF")
     with pytest.raises(GGUFError, match="truncated header: 4 bytes wanted at offset 4"):
         load_gguf(path)
+
+
+def test_empty_file_is_not_a_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(GGUFFormatError, match="not a GGUF file"):
+        GGUFFile(path)
+
+
+def mapped_rss_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = len(fields) >= 6 and fields[5] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+def test_loaded_tensors_leave_the_resident_memory() -> None:
+    """Once the loader has its copies, the file's pages leave this process's RSS (the engine
+    core's peak memory counted all 86 MB of SmolLM2's file next to the copies made from it) and
+    the data is still readable after, faulted back in from the page cache."""
+    from cenote.models.gguf_loader import load_gguf
+
+    path = smollm2_path()
+    checkpoint = load_gguf(path)
+    resolved = str(path.resolve())
+    size_kib = path.stat().st_size // 1024
+    sums = [int(t.data.sum()) for t in checkpoint.reader.tensors]  # touches every page
+    assert mapped_rss_kib(Path(resolved)) > size_kib * 0.9
+    names = [name for name, _ in checkpoint.tensors(keep_quantized=True)]
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert mapped_rss_kib(Path(resolved)) < size_kib * 0.05
+    assert [int(t.data.sum()) for t in checkpoint.reader.tensors] == sums

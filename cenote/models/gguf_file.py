@@ -12,6 +12,7 @@ shapes it, and the quantization tables (``GGML_QUANT_SIZES``) are gguf's.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -70,7 +71,7 @@ class GGUFFormatError(GGUFError):
 class _Cursor:
     """Reads little-endian values from the header, failing with the offset on a short file."""
 
-    def __init__(self, data: np.memmap[Any, np.dtype[np.uint8]], path: Path) -> None:
+    def __init__(self, data: np.ndarray[Any, np.dtype[np.uint8]], path: Path) -> None:
         self.buffer = data.data  # a memoryview of the mapped bytes
         self.pos = 0
         self.path = path
@@ -125,7 +126,12 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        with open(self.path, "rb") as file:
+            try:
+                self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:  # an empty file cannot be mapped
+                raise GGUFFormatError(f"{self.path}: not a GGUF file (empty)") from None
+        data = np.frombuffer(self._map, dtype=np.uint8)
         cursor = _Cursor(data, self.path)
         if cursor.u32() != GGUF_MAGIC:
             raise GGUFFormatError(f"{self.path}: not a GGUF file (no GGUF magic)")
@@ -158,9 +164,20 @@ class GGUFFile:
             seen.add(name)
             self.tensors.append(self._tensor(data, start, name, dims, raw_type, offset))
 
+    def release(self, tensor: ReaderTensor) -> None:
+        """Drop the pages of ``tensor``'s data from this process's resident memory, once the
+        loader has copied it (a repacked or dequantized weight): without this the whole file
+        stays mapped in for the process's life, counted in its RSS, next to the copies made from
+        it. The data stays readable: a later read faults it back in from the page cache."""
+        page = mmap.PAGESIZE
+        begin = -(-tensor.data_offset // page) * page  # whole pages inside the tensor only
+        end = (tensor.data_offset + tensor.n_bytes) // page * page
+        if end > begin:
+            self._map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
     def _tensor(
         self,
-        data: np.memmap[Any, np.dtype[np.uint8]],
+        data: np.ndarray[Any, np.dtype[np.uint8]],
         start: int,
         name: str,
         dims: list[int],

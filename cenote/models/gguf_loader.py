@@ -161,17 +161,20 @@ class GGUFCheckpoint:
                 from cenote.models.gguf_encoders import encoder_tensors
 
                 yield from ((n, w.to(dtype)) for n, w in encoder_tensors(architecture, tensor))
+                self.reader.release(tensor)
                 continue
             name = hf_tensor_name(tensor.name)
             if tensor.name in quantized:
                 yield name, self._quantized(tensor, name)
-                continue
-            weight = dequantize_tensor(tensor)
-            if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-                weight = unpermute_rotary(weight, self.config["num_attention_heads"])
-            elif architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-                weight = unpermute_rotary(weight, self.config["num_key_value_heads"])
-            yield name, weight.to(dtype)
+            else:
+                weight = dequantize_tensor(tensor)
+                if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+                    weight = unpermute_rotary(weight, self.config["num_attention_heads"])
+                elif architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+                    weight = unpermute_rotary(weight, self.config["num_key_value_heads"])
+                yield name, weight.to(dtype)
+            # the consumer has taken its copy: the file's pages need not stay resident
+            self.reader.release(tensor)
 
     def quantized_tensor_names(self) -> set[str]:
         """GGUF names of the 2-d tensors stored in a quantized type (kept quantized on request)."""
