@@ -14,8 +14,8 @@ Measured 2026-12-01, Intel Xeon 2 cores (AVX-512, AVX512-bf16, AMX), quantizatio
 (1.21x); fp32 1 stream 131.7 / 100.8 (1.31x), 16 streams 351.3 / 306.2 (1.15x).
 
 Measured 2026-12-02, AMD EPYC Zen 4 2 cores (AVX512-bf16, no AMX), bf16, ``--dense-copy`` auto
-vs off (2 pairs): 16 streams 468.3 / 464.1 vs 157.7 / 156.0 tok/s (stack), peak RSS 1725 / 1718
-vs 1528 / 1528 MB: the dense copies cost about 195 MB and buy 3x at 16 streams.
+vs off (2 pairs): 16 streams 464.1 / 441.8 vs 157.7 / 156.0 tok/s (stack), peak RSS 1718 / 1725
+vs 1528 / 1528 MB: the dense copies cost about 195 MB and buy about 3x at 16 streams.
 """
 
 from __future__ import annotations
