@@ -236,3 +236,49 @@ def test_data_parallel_serving_with_ray_actors(ray_cluster, llm_fp32):
         assert "Traceback" not in server.log()
     finally:
         server.stop()
+
+
+def test_the_core_watcher_does_not_call_into_a_closed_loop_after_stop(monkeypatch):
+    # CI once failed with "RuntimeError: Event loop is closed" in cenote-ray-core-watch: the
+    # actor ended because the server shut it down, the server's loop closed, and only then did
+    # the watcher thread wake and schedule its callback. A fake ``ray`` module holds the
+    # watcher until the loop is closed, so the race is hit every time.
+    import asyncio
+    import threading
+    import types
+
+    from cenote.engine.core_launcher import RayLauncher
+
+    actor_ended = threading.Event()
+
+    def wait(refs, timeout=None):
+        if timeout is None:
+            actor_ended.wait()
+        return refs, []
+
+    fake = types.SimpleNamespace(
+        is_initialized=lambda: True,
+        util=types.SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1"),
+        wait=wait,
+        get=lambda ref: None,
+        kill=lambda actor: None,
+    )
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    launcher = RayLauncher(None)
+    launcher._done = object()  # as start() leaves it: the ObjectRef of the core's loop
+
+    failures: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+    called: list[str] = []
+
+    async def serve_then_stop() -> None:
+        launcher.on_exit(asyncio.get_running_loop(), called.append)
+        await launcher.stop(timeout=1.0)
+
+    asyncio.run(serve_then_stop())  # closes the loop
+    watchers = [t for t in threading.enumerate() if t.name == "cenote-ray-core-watch"]
+    actor_ended.set()
+    for t in watchers:
+        t.join(timeout=10)
+    assert watchers and not any(t.is_alive() for t in watchers)
+    assert failures == [] and called == []

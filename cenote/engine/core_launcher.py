@@ -139,6 +139,10 @@ class RayLauncher:
         self._ports = [_free_port(), _free_port()]
         self._actor: Any = None  # the core's actor handle
         self._done: Any = None  # the ObjectRef of the core's loop
+        # set by stop() under the lock: the watcher thread then no longer calls back into a
+        # loop that may be closed by the time the actor's end reaches it
+        self._watch_lock = threading.Lock()
+        self._stopping = False
 
     def addresses(self) -> tuple[tuple[str, str], tuple[str, str]]:
         (a, b), host = self._ports, self._host
@@ -169,11 +173,16 @@ class RayLauncher:
     def on_exit(self, loop: asyncio.AbstractEventLoop, callback: Callable[[str], None]) -> None:
         def wait() -> None:
             self._ray.wait([self._done], timeout=None)
-            loop.call_soon_threadsafe(callback, self._reason())
+            reason = self._reason()
+            with self._watch_lock:
+                if not self._stopping and not loop.is_closed():
+                    loop.call_soon_threadsafe(callback, reason)
 
         threading.Thread(target=wait, name="cenote-ray-core-watch", daemon=True).start()
 
     async def stop(self, timeout: float) -> None:
+        with self._watch_lock:
+            self._stopping = True
         if self._done is None:
             return
         ready, _ = await asyncio.to_thread(self._ray.wait, [self._done], timeout=timeout)
