@@ -163,9 +163,10 @@ class EngineArgs:
     quantized_dense_copy: Literal["auto", "on", "off"] = option(
         "auto",
         "quantized weights: also keep a dense copy in the compute dtype for steps of more than "
-        "8 rows (prefill, many streams), where FLOPs, not bytes, bound the matmuls and a "
+        "a few rows (prefill, many streams), where FLOPs, not bytes, bound the matmuls and a "
         "per-step dequantization costs more than the matmul. auto: on when the copies take at "
-        "most a quarter of the available memory",
+        "most a quarter of the available memory (with bf16 on AVX512-BF16, 4-bit layers "
+        "multiply up to 32 rows on bf16 dot products even so, and up to 128 without a copy)",
     )
     seed: int = option(
         0,

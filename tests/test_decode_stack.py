@@ -15,6 +15,7 @@ from factories.seeded import hf_config, random_model
 from cenote import SamplingParams
 from cenote.kernels import quant_ops
 from cenote.models.layers.attention_kernels import attention_ops
+from cenote.models.layers.quant import DOT_MAX_ROWS, DOT_MAX_ROWS_WITH_COPY, QuantLinear
 from cenote.models.llama import LlamaModel
 
 pytestmark = pytest.mark.skipif(
@@ -105,6 +106,34 @@ def test_stack_equals_python_loop(variant, dtype, quantization, tmp_path: Path, 
     assert _trunk(llm)._decode_stack not in (None, False)
 
 
+@pytest.mark.skipif(
+    quant_ops() is None or not quant_ops().quant_dot_supported(), reason="no AVX512-BF16"
+)
+@pytest.mark.parametrize("dense_copy", ["off", "on"])
+def test_bf16_dot_products_in_the_stack_equal_the_python_loop(dense_copy, tmp_path, monkeypatch):
+    """4-bit layers in bf16 multiply 5 or more rows on bf16 dot products (quant_matmul_dot),
+    in the stack as in the Python loop, with a dense copy (up to 32 rows) or without."""
+    llm = make_llm(
+        _save(tmp_path, "llama"),
+        dtype="bfloat16",
+        quantization="int4",
+        quantized_dense_copy=dense_copy,
+        enable_prefix_caching=False,
+    )
+    trunk = _trunk(llm)
+    prompts = token_prompts(random_prompts([3, 9, 14, 5, 7, 4, 6, 8], seed=4))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3)
+        for n in (12, 4, 9, 12, 2, 7, 10, 11)
+    ]
+    _assert_same_as_python_loop(llm, prompts, params, monkeypatch)
+    layers = [m for m in trunk.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.dot_max_rows > 0 for m in layers)
+    assert all((m.dense_packed is not None) == (dense_copy == "on") for m in layers)
+    if dense_copy == "off":
+        assert trunk._stack_max_rows == DOT_MAX_ROWS
+
+
 def test_quantized_without_dense_copy_keeps_its_row_limit(tmp_path: Path, monkeypatch):
     """Without dense copies, steps above the fused kernel's rows take the Python loop (which
     dequantizes); fewer rows the stack."""
@@ -134,3 +163,21 @@ def test_smollm2_stack_equals_python_loop(monkeypatch):
     prompts = ["Write a haiku about the sea.", "What is 2 + 2?"]
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
     _assert_same_as_python_loop(llm, prompts, params, monkeypatch)
+
+
+@pytest.mark.skipif(
+    quant_ops() is None or not quant_ops().quant_dot_supported(), reason="no AVX512-BF16"
+)
+def test_smollm2_bf16_dot_products_equal_the_python_loop(monkeypatch):
+    """bf16 SmolLM2 at 6 streams: its Q4_1 layers (fp16 scales and mins) multiply on bf16 dot
+    products (the Q8_0 LM head, 8-bit, on its dense copy)."""
+    from cenote import LLM
+    from cenote.models.gguf_loader import find_smollm2_gguf
+
+    llm = LLM(str(find_smollm2_gguf()), dtype="bfloat16", enable_prefix_caching=False)
+    prompts = [f"Tell me fact number {i} about the sea." for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
+    _assert_same_as_python_loop(llm, prompts, params, monkeypatch)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    dots = sorted(m.dot_max_rows for m in layers)
+    assert len(layers) == 121 and dots == [0] + [DOT_MAX_ROWS_WITH_COPY] * 120

@@ -16,6 +16,8 @@ from cenote.kernels import quant_ops
 from cenote.models.layers import quant
 from cenote.models.layers.quant import (
     DENSE_ABOVE_ROWS,
+    DOT_MAX_ROWS,
+    DOT_MAX_ROWS_WITH_COPY,
     FUSED_MAX_ROWS,
     QuantizedWeight,
     QuantLinear,
@@ -25,6 +27,7 @@ from cenote.models.layers.quant import (
     keep_dense_copies,
     quant_linear,
     quantize_dense,
+    use_dot_products,
 )
 
 pytestmark = pytest.mark.skipif(quant_ops() is None, reason="quantized kernel not buildable")
@@ -103,6 +106,88 @@ def test_quant_linear_matches_dense_matmul(rows):
             x, weight.qdata, weight.scales, weight.mins, weight.bits, weight.group
         )
         _assert_matmul_close(fused, x, dense)
+
+
+_dot_runs = quant_ops() is not None and quant_ops().quant_dot_supported()
+needs_dot = pytest.mark.skipif(
+    not _dot_runs, reason="no AVX512-BF16 dot products (the refusal is tested below)"
+)
+
+
+def _assert_bf16_dot_close(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> None:
+    """bf16 rows times the bf16 rounding of the dequantized weight (what a dense bf16 copy
+    holds), exact products summed in fp32, the sum rounded once to bf16: within half a bf16
+    step (2^-8 relative) of the float64 product, plus fp32 summation error."""
+    w = dequantize_reference(weight).bfloat16().double()
+    exact = x.double() @ w.T
+    bound = 2.0**-8 * exact.abs() + 4e-6 * (x.double().abs() @ w.abs().T) + 1e-30
+    error = (got.double() - exact).abs()
+    assert got.dtype == torch.bfloat16 and (error <= bound).all(), (error / bound).max()
+
+
+@needs_dot
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 17, 64])
+def test_dot_kernel_matches_the_bf16_copy_product(rows):
+    """quant_matmul_dot: w4 with fp32 or fp16 scales and mins, w8 without mins, and a weight
+    whose 37 rows leave a partial block of 4 output columns."""
+    ops = quant_ops()
+    tail = quantize_dense(torch.randn(37, 256) * 0.1, "int4")
+    for weight in [*_weights()[:3], tail]:
+        x = (torch.randn(rows, 256) * 2).bfloat16()
+        args = (weight.qdata, weight.scales, weight.mins, weight.bits, weight.group)
+        got = ops.quant_matmul_dot(x, *args)
+        assert got.shape == (rows, weight.shape[0])
+        _assert_bf16_dot_close(got, x, weight)
+        # each row's result is the same alone as among the others
+        assert torch.equal(ops.quant_matmul_dot(x[-1:].contiguous(), *args), got[-1:])
+
+
+def test_dot_kernel_refuses_what_it_does_not_take():
+    ops = quant_ops()
+    weight = quantize_dense(torch.randn(8, 64), "int4")
+    args = (weight.qdata, weight.scales, weight.mins, weight.bits, weight.group)
+    if not ops.quant_dot_supported():
+        with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+            ops.quant_matmul_dot(torch.randn(2, 64).bfloat16(), *args)
+        return
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        ops.quant_matmul_dot(torch.randn(2, 64), *args)
+    q6k = _weights()[3]  # int8, groups of 16
+    with pytest.raises(RuntimeError, match="groups of 32, got 16"):
+        ops.quant_matmul_dot(torch.randn(2, 256).bfloat16(), q6k.qdata, q6k.scales, q6k.mins, 8, 16)
+    with pytest.raises(RuntimeError, match="K=32 is not|columns for K=32"):
+        ops.quant_matmul_dot(torch.randn(2, 32).bfloat16(), *args)
+
+
+@needs_dot
+def test_bf16_layers_route_rows_to_the_dot_kernel():
+    """A bf16 4-bit layer with dot products: up to DENSE_ABOVE_ROWS[bf16] rows the fused kernel,
+    then quant_matmul_dot up to DOT_MAX_ROWS, then dequantize + matmul; with a dense copy kept,
+    the dot kernel only up to DOT_MAX_ROWS_WITH_COPY (8-bit layers: not at all), then the
+    copy. Not in fp32 models."""
+    ops = quant_ops()
+    weight = quantize_dense(torch.randn(96, 256), "int4")
+    args = (weight.qdata, weight.scales, weight.mins, weight.bits, weight.group)
+    layer = QuantLinear([weight], None)
+    int8_layer = QuantLinear([quantize_dense(torch.randn(96, 256), "int8")], None)
+    model = torch.nn.Sequential(layer, int8_layer)
+    assert use_dot_products(model, torch.float32) == 0
+    assert use_dot_products(model, torch.bfloat16) == 2
+    assert (layer.dot_max_rows, int8_layer.dot_max_rows) == (DOT_MAX_ROWS, DOT_MAX_ROWS)
+    int8_layer.keep_dense(torch.bfloat16)  # 8-bit: the copy from 5 rows on
+    assert int8_layer.dot_max_rows == 0
+    few = DENSE_ABOVE_ROWS[torch.bfloat16]
+    x = torch.randn(DOT_MAX_ROWS + 1, 256).bfloat16()
+    assert torch.equal(layer(x[:few]), ops.quant_matmul(x[:few], *args))
+    for rows in (few + 1, DOT_MAX_ROWS):
+        assert torch.equal(layer(x[:rows]), ops.quant_matmul_dot(x[:rows], *args))
+    dense = weight.dequantize(torch.bfloat16)
+    assert torch.equal(layer(x), torch.mm(x, dense.t()))
+    layer.keep_dense(torch.bfloat16)
+    assert layer.dot_max_rows == DOT_MAX_ROWS_WITH_COPY
+    rows = DOT_MAX_ROWS_WITH_COPY
+    assert torch.equal(layer(x[:rows]), ops.quant_matmul_dot(x[:rows], *args))
+    _assert_bf16_dot_close(layer(x[: rows + 1]), x[: rows + 1].float(), weight)
 
 
 def test_quant_linear_bf16_activations():

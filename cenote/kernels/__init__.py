@@ -63,6 +63,24 @@ class QuantOps(Protocol):
         """``x [M, K] @ dequant(q [N, K]).T`` -> ``[M, N]`` in ``x``'s dtype."""
         ...
 
+    def quant_matmul_dot(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        mn: torch.Tensor | None,
+        bits: int,
+        group: int,
+        /,
+    ) -> torch.Tensor:
+        """``x [M, K] bf16 @ dequant(q [N, K]).T`` -> bf16 ``[M, N]`` on AVX512-BF16 dot
+        products, the weights as a dense bf16 copy holds them (groups of 32)."""
+        ...
+
+    def quant_dot_supported(self) -> bool:
+        """Whether ``quant_matmul_dot`` runs on this CPU (AVX512-BF16)."""
+        ...
+
     def quant_dequantize(
         self,
         q: torch.Tensor,
@@ -160,14 +178,16 @@ class DecodeStack(Protocol):
         bits: int,
         group: int,
         fused_max_rows: int,
+        dot_max_rows: int,
         packed: torch.Tensor | None,
         dense_dtype: torch.dtype,
         bias: torch.Tensor | None,
         /,
     ) -> None:
         """The next projection of the layer being built (qkv, o, gate_up, down): quantized
-        (``q``... up to ``fused_max_rows`` rows), oneDNN-prepacked dense (``packed`` in
-        ``dense_dtype``: more rows, or a dense layer), or both."""
+        (``q``... up to ``fused_max_rows`` rows; bf16 rows up to ``dot_max_rows`` on bf16 dot
+        products), oneDNN-prepacked dense (``packed`` in ``dense_dtype``: more rows, or a dense
+        layer), or both."""
         ...
 
     def add_layer(

@@ -17,6 +17,8 @@
 // quant_linear.cpp / fused_ops.cpp
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group);
+at::Tensor quant_matmul_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group);
 void add_rms_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
                    const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
@@ -26,10 +28,12 @@ namespace {
 
 // A projection as models/layers/quant.py QuantLinear or linear.py TrunkLinear multiplies it:
 // up to ``fused_max_rows`` rows by the fused quantized kernel (fp32 activations in, the caller's
-// dtype out), more rows (or a dense layer) by the oneDNN-prepacked weight in its dtype.
+// dtype out), bf16 rows up to ``dot_max_rows`` by the bf16 dot-product kernel, more rows (or a
+// dense layer) by the oneDNN-prepacked weight in its dtype.
 struct Linear {
   c10::optional<at::Tensor> q, scale, mn;  // the quantized weight, if any
   int64_t bits, group, fused_max_rows;
+  int64_t dot_max_rows;  // bf16 rows above fused_max_rows up to this: quant_matmul_dot
   c10::optional<at::Tensor> packed;  // mkldnn-prepacked dense weight, if any
   at::ScalarType dense_dtype;
   c10::optional<at::Tensor> bias;
@@ -41,6 +45,10 @@ struct Linear {
                               : quant_matmul(x.to(at::kFloat).contiguous(), *q, *scale, mn,
                                              bits, group)
                                     .to(x.scalar_type());
+      return bias.has_value() ? out + *bias : out;
+    }
+    if (q.has_value() && x.scalar_type() == at::kBFloat16 && x.size(0) <= dot_max_rows) {
+      at::Tensor out = quant_matmul_dot(x.contiguous(), *q, *scale, mn, bits, group);
       return bias.has_value() ? out + *bias : out;
     }
     TORCH_CHECK(packed.has_value(), "no dense weight for ", x.size(0), " rows");
@@ -93,13 +101,14 @@ class DecodeStack {
   // quantized layer's dense copy) gives packed and dense_dtype.
   void add_linear(c10::optional<at::Tensor> q, c10::optional<at::Tensor> scale,
                   c10::optional<at::Tensor> mn, int64_t bits, int64_t group,
-                  int64_t fused_max_rows, c10::optional<at::Tensor> packed,
+                  int64_t fused_max_rows, int64_t dot_max_rows, c10::optional<at::Tensor> packed,
                   at::ScalarType dense_dtype, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(q.has_value() == scale.has_value(), "a quantized weight needs its scales");
     TORCH_CHECK(q.has_value() || packed.has_value(), "a projection needs a weight");
     const int64_t rows = q.has_value() ? fused_max_rows : 0;
+    const int64_t dot_rows = q.has_value() ? dot_max_rows : 0;
     pending_.push_back({std::move(q), std::move(scale), std::move(mn), bits, group, rows,
-                        std::move(packed), dense_dtype, std::move(bias)});
+                        dot_rows, std::move(packed), dense_dtype, std::move(bias)});
   }
 
   void add_layer(at::Tensor post_norm, double post_eps, at::Tensor next_norm, double next_eps,

@@ -244,6 +244,7 @@ _StackLinear = tuple[
     int,  # bits
     int,  # group
     int,  # fused_max_rows
+    int,  # dot_max_rows
     torch.Tensor | None,  # packed
     torch.dtype,  # dense_dtype
     torch.Tensor | None,  # bias
@@ -259,9 +260,10 @@ def _stack_linear(module: nn.Module) -> tuple[_StackLinear, float] | None:
         dense_dtype = module.dense_dtype or torch.float32
         rows = float("inf") if packed is not None else module.fused_max_rows
         args = (part.qdata, part.scales, part.mins, part.bits, part.group, module.fused_max_rows)
-        return (*args, packed, dense_dtype, module.bias), rows
+        rows = max(rows, module.dot_max_rows)
+        return (*args, module.dot_max_rows, packed, dense_dtype, module.bias), rows
     if isinstance(module, TrunkLinear) and module.packed is not None:
-        spec = (None, None, None, 0, 0, 0, module.packed, module.weight.dtype, module.bias)
+        spec = (None, None, None, 0, 0, 0, 0, module.packed, module.weight.dtype, module.bias)
         return spec, float("inf")
     return None
 

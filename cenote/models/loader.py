@@ -15,7 +15,7 @@ from cenote.config import ModelConfig
 from cenote.kernels import cpu_features, quant_ops
 from cenote.models.interfaces import Model, PostLoad, QuantizedLoading
 from cenote.models.layers.linear import prepack_trunk, quantize_trunk_w8a8
-from cenote.models.layers.quant import keep_dense_copies, quantize_trunk
+from cenote.models.layers.quant import keep_dense_copies, quantize_trunk, use_dot_products
 from cenote.models.registry import load_model_class
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     if isinstance(model, PostLoad):
         model.post_load()  # after the cast: e.g. pack the LM head in the runtime dtype
     if method in ("gguf", "int8", "int4"):
+        use_dot_products(model, model_config.dtype)
         keep_dense_copies(model, model_config.dtype, model_config.quantized_dense_copy)
     return model
 

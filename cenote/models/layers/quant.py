@@ -35,6 +35,15 @@ FUSED_MAX_ROWS = 8
 # the copy's dtype (end-to-end decode of SmolLM2 Q4_1 at 3 to 16 streams, Intel AMX machine): a
 # bf16 copy multiplies on AMX and wins from 5 rows; an fp32 one only from about 12 rows.
 DENSE_ABOVE_ROWS = {torch.bfloat16: 4, torch.float32: FUSED_MAX_ROWS}
+# bf16 activations meet a 4-bit or 8-bit weight (groups of 32) on AVX512-BF16 dot products
+# (``quant_matmul_dot``: each group dequantized once per call into a register, as a dense bf16
+# copy would hold it) for steps of more than DENSE_ABOVE_ROWS[bf16] rows, up to DOT_MAX_ROWS;
+# with a dense copy kept, only up to DOT_MAX_ROWS_WITH_COPY. Measured with
+# benchmarks/dot_matmul.py (AMD EPYC Zen 4, SmolLM2's four projections, us a layer, dot / dense
+# bf16 copy / dequantize + matmul): 16 rows 580 / 725 / 1029, 32 rows 937 / 1096 / 1448,
+# 64 rows 1598 / 1499 / 1985, 128 rows 2462 / 2489 / 2841, 192 rows 4021 / 3764 / 4178.
+DOT_MAX_ROWS = 128
+DOT_MAX_ROWS_WITH_COPY = 32
 
 
 @dataclass
@@ -292,6 +301,8 @@ class QuantLinear(nn.Module):
         # a dense copy for steps of many rows (``keep_dense``): prepacked, else plain
         self._dense: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._dense_above_rows = FUSED_MAX_ROWS
+        # bf16 rows above ``fused_max_rows`` up to this take quant_matmul_dot (use_dot_products)
+        self.dot_max_rows = 0
 
     def keep_dense(self, dtype: torch.dtype) -> int:
         """Also keep the weight dense in ``dtype`` (oneDNN-prepacked where possible) for steps
@@ -302,7 +313,25 @@ class QuantLinear(nn.Module):
         # the prepacked copy is all the matmul reads: the plain one is only a dtype/shape tag
         self._dense = (weight if packed is None else weight.new_empty(0, weight.shape[1]), packed)
         self._dense_above_rows = DENSE_ABOVE_ROWS.get(dtype, FUSED_MAX_ROWS)
+        # 8-bit weights: the copy is as fast at 8-16 rows, faster from 32 (dot_matmul.py --bits 8)
+        with_copy = DOT_MAX_ROWS_WITH_COPY if self.parts[0].bits == 4 else 0
+        self.dot_max_rows = min(self.dot_max_rows, with_copy)
         return weight.nbytes
+
+    def use_dot_products(self) -> bool:
+        """Multiply bf16 steps of more than DENSE_ABOVE_ROWS[bf16] rows, up to DOT_MAX_ROWS,
+        with ``quant_matmul_dot``, where it runs here and takes this layer's layout; returns
+        whether it does."""
+        ops = quant_ops()
+        if ops is None or not ops.quant_dot_supported() or len(self.parts) != 1:
+            return False
+        if self.parts[0].group != 32:
+            return False
+        self.dot_max_rows = DOT_MAX_ROWS
+        if self._dense is not None:  # as keep_dense leaves it
+            self.dot_max_rows = DOT_MAX_ROWS_WITH_COPY if self.parts[0].bits == 4 else 0
+        self._dense_above_rows = DENSE_ABOVE_ROWS[torch.bfloat16]
+        return True
 
     @property
     def dense_packed(self) -> torch.Tensor | None:
@@ -320,7 +349,16 @@ class QuantLinear(nn.Module):
         return self._dense_above_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._dense is not None and x.shape[0] > self._dense_above_rows:
+        rows = x.shape[0]
+        if self._dense_above_rows < rows <= self.dot_max_rows and x.dtype == torch.bfloat16:
+            ops = quant_ops()
+            assert ops is not None  # dot_max_rows is 0 without the kernels
+            part = self.parts[0]
+            out = ops.quant_matmul_dot(
+                x.contiguous(), part.qdata, part.scales, part.mins, part.bits, part.group
+            )
+            return out if self.bias is None else out + self.bias
+        if self._dense is not None and rows > self._dense_above_rows:
             weight, packed = self._dense
             bias = None if self.bias is None else self.bias.to(weight.dtype)
             return packed_linear(x.to(weight.dtype), weight, packed, bias).to(x.dtype)
@@ -368,10 +406,22 @@ def quantize_trunk(model: nn.Module, method: str) -> int:
     return len(targets)
 
 
+def use_dot_products(model: nn.Module, dtype: torch.dtype) -> int:
+    """In a bf16 model, every ``QuantLinear`` that can multiplies steps of a few to
+    DOT_MAX_ROWS rows on bf16 dot products (``QuantLinear.use_dot_products``); returns how many
+    layers do, of how many."""
+    layers = [module for module in model.modules() if isinstance(module, QuantLinear)]
+    if dtype != torch.bfloat16:
+        return 0
+    return sum(layer.use_dot_products() for layer in layers)
+
+
 def keep_dense_copies(model: nn.Module, dtype: torch.dtype, mode: str) -> int:
     """Give every ``QuantLinear`` of ``model`` a dense copy in ``dtype`` (``keep_dense``) when
     ``mode`` is "on", or "auto" and the copies take at most a quarter of the memory available
-    now; returns the bytes added (0: none kept)."""
+    now; returns the bytes added (0: none kept). Layers with bf16 dot products
+    (``use_dot_products``) still take them up to DOT_MAX_ROWS_WITH_COPY rows with a copy, and
+    up to DOT_MAX_ROWS without one."""
     layers = [module for module in model.modules() if isinstance(module, QuantLinear)]
     need = sum(layer.in_features * layer.out_features for layer in layers) * dtype.itemsize
     if mode == "off" or not layers:
@@ -383,17 +433,19 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype, mode: str) -> int:
             "%d MiB available (steps of more than %d rows dequantize instead)",
             need >> 20,
             available >> 20,
-            FUSED_MAX_ROWS,
+            max([FUSED_MAX_ROWS] + [layer.dot_max_rows for layer in layers]),
         )
         return 0
     for layer in layers:
         layer.keep_dense(dtype)
     logger.info(
-        "kept a %s copy of %d quantized layers (%d MiB) for steps of more than %d rows",
+        "kept a %s copy of %d quantized layers (%d MiB) for steps of more rows than the fused "
+        "kernel (%d) or bf16 dot products (%d) take",
         str(dtype).removeprefix("torch."),
         len(layers),
         need >> 20,
         DENSE_ABOVE_ROWS.get(dtype, FUSED_MAX_ROWS),
+        max(layer.dot_max_rows for layer in layers),
     )
     return need
 
