@@ -474,13 +474,21 @@ namespace {
 template <typename S, bool HAS_MIN, int BITS>
 CENOTE_INLINE __m512bh dot_group(const uint8_t* q, int64_t g, const S* scale, const S* mn) {
   const __m512 d = _mm512_set1_ps(to_float(scale[g]));
-  __m512 lo, hi;
   if constexpr (BITS == 4) {
-    __m512 w[2];
-    Vec::w4_unpack(q + g * 16, w);
-    lo = w[0];
-    hi = w[1];
-  } else {
+    // 16 possible values: scale * v + min for v = 0..15, rounded to bf16 once, then looked up
+    // by the 32 nibbles: the same values as converting each weight, and measured on Zen 4
+    // (SmolLM2 layers, us a layer) 367 -> 311 at 8 rows, 522 -> 462 at 16, 922 -> 887 at 32
+    const __m512 v = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 values = _mm512_mul_ps(v, d);
+    if constexpr (HAS_MIN) values = _mm512_add_ps(values, _mm512_set1_ps(to_float(mn[g])));
+    const __m256i table = (__m256i)_mm512_cvtneps_pbh(values);
+    __m128i lo, hi;
+    nibbles(q + g * 16, lo, hi);
+    const __m512i index = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+    return (__m512bh)_mm512_permutexvar_epi16(index, _mm512_castsi256_si512(table));
+  }
+  __m512 lo, hi;
+  {
     const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * 32;
     lo = Vec::load_i8(qg);
     hi = Vec::load_i8(qg + 16);
