@@ -301,8 +301,7 @@ class QuantLinear(nn.Module):
         # a dense copy for steps of many rows (``keep_dense``): prepacked, else plain
         self._dense: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._dense_above_rows = FUSED_MAX_ROWS
-        # bf16 rows above ``fused_max_rows`` up to this take quant_matmul_dot (use_dot_products)
-        self.dot_max_rows = 0
+        self._dot = False  # bf16 dot products (use_dot_products)
 
     def keep_dense(self, dtype: torch.dtype) -> int:
         """Also keep the weight dense in ``dtype`` (oneDNN-prepacked where possible) for steps
@@ -313,9 +312,6 @@ class QuantLinear(nn.Module):
         # the prepacked copy is all the matmul reads: the plain one is only a dtype/shape tag
         self._dense = (weight if packed is None else weight.new_empty(0, weight.shape[1]), packed)
         self._dense_above_rows = DENSE_ABOVE_ROWS.get(dtype, FUSED_MAX_ROWS)
-        # 8-bit weights: the copy is as fast at 8-16 rows, faster from 32 (dot_matmul.py --bits 8)
-        with_copy = DOT_MAX_ROWS_WITH_COPY if self.parts[0].bits == 4 else 0
-        self.dot_max_rows = min(self.dot_max_rows, with_copy)
         return weight.nbytes
 
     def use_dot_products(self) -> bool:
@@ -327,11 +323,21 @@ class QuantLinear(nn.Module):
             return False
         if self.parts[0].group != 32:
             return False
-        self.dot_max_rows = DOT_MAX_ROWS
-        if self._dense is not None:  # as keep_dense leaves it
-            self.dot_max_rows = DOT_MAX_ROWS_WITH_COPY if self.parts[0].bits == 4 else 0
+        self._dot = True
         self._dense_above_rows = DENSE_ABOVE_ROWS[torch.bfloat16]
         return True
+
+    @property
+    def dot_max_rows(self) -> int:
+        """The most bf16 rows ``quant_matmul_dot`` multiplies for this layer (above
+        ``fused_max_rows``; 0: none). Beside a dense copy only a 4-bit weight takes it, up to
+        DOT_MAX_ROWS_WITH_COPY: for 8-bit weights the copy is as fast at 8-16 rows and faster
+        from 32 (benchmarks/dot_matmul.py --bits 8)."""
+        if not self._dot:
+            return 0
+        if self._dense is None:
+            return DOT_MAX_ROWS
+        return DOT_MAX_ROWS_WITH_COPY if self.parts[0].bits == 4 else 0
 
     @property
     def dense_packed(self) -> torch.Tensor | None:
@@ -410,10 +416,9 @@ def use_dot_products(model: nn.Module, dtype: torch.dtype) -> int:
     """In a bf16 model, every ``QuantLinear`` that can multiplies steps of a few to
     DOT_MAX_ROWS rows on bf16 dot products (``QuantLinear.use_dot_products``); returns how many
     layers do, of how many."""
-    layers = [module for module in model.modules() if isinstance(module, QuantLinear)]
     if dtype != torch.bfloat16:
         return 0
-    return sum(layer.use_dot_products() for layer in layers)
+    return sum(m.use_dot_products() for m in model.modules() if isinstance(m, QuantLinear))
 
 
 def keep_dense_copies(model: nn.Module, dtype: torch.dtype, mode: str) -> int:
