@@ -199,18 +199,64 @@ def test_quant_linear_bf16_activations():
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+def _assert_bf16_rounding_of_exact(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    """The fp32-summed product rounded once to bf16: within half a bf16 step (at most 2^-8
+    relative) of the float64 product of the bf16 rows and the exact dequantized weight, plus
+    fp32 summation error."""
+    exact = x.double() @ dense.double().T
+    bound = 2.0**-8 * exact.abs() + 4e-6 * (x.double().abs() @ dense.double().abs().T) + 1e-30
+    error = (got.double() - exact).abs()
+    assert got.dtype == torch.bfloat16 and (error <= bound).all(), (error / bound).max()
+
+
 def test_fused_kernel_takes_bf16_rows_and_rounds_once():
-    """bf16 rows in, bf16 out: bit for bit the fp32 kernel on the widened rows, rounded by
-    torch's cast (the decode stack's projections call it so, without conversions around it)."""
+    """bf16 rows in, bf16 out, rounded once: for 8-bit weights (and 4-bit ones without bf16
+    dot products) bit for bit the fp32 kernel on the widened rows, rounded by torch's cast; for
+    4-bit weights on AVX512-BF16 the bf16 row kernel (the same exact products, summed in
+    another order), within half a bf16 step of the exact product. The decode stack's
+    projections call it so, without conversions around it."""
     ops = quant_ops()
     for weight in _weights():
         x = (torch.randn(5, 256) * 3).bfloat16()
         args = (weight.qdata, weight.scales, weight.mins, weight.bits, weight.group)
         got = ops.quant_matmul(x, *args)
         assert got.dtype == torch.bfloat16 and got.shape == (5, weight.shape[0])
-        assert torch.equal(got, ops.quant_matmul(x.float(), *args).bfloat16())
+        if weight.bits == 4 and _dot_runs:
+            _assert_bf16_rounding_of_exact(got, x, dequantize_reference(weight))
+        else:
+            assert torch.equal(got, ops.quant_matmul(x.float(), *args).bfloat16())
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.quant_matmul(x.t().contiguous().t(), *args)
+
+
+@needs_dot
+@pytest.mark.parametrize("k", [64, 96, 576, 1536])
+def test_bf16_row_kernel_for_4_bit_weights(k):
+    """quant_matmul of bf16 rows and 4-bit weights on AVX512-BF16 (each nibble q as the bf16
+    number 16 + q): fp16 or fp32 scales, with and without mins, an odd number of groups (96),
+    output rows outside full blocks of 4 (37), 1 to 9 activation rows. Each row is bit for bit
+    the same row multiplied alone, and the result the same on 1 thread as on 2."""
+    ops = quant_ops()
+    fp32 = quantize_dense(torch.randn(37, k) * 0.05, "int4")
+    fp16 = QuantizedWeight(fp32.qdata, fp32.scales.half(), fp32.mins.half(), 4, 32)
+    symmetric = QuantizedWeight(fp32.qdata, fp32.scales, None, 4, 32)
+    for weight in (fp32, fp16, symmetric):
+        args = (weight.qdata, weight.scales, weight.mins, 4, 32)
+        reference = dequantize_reference(weight)
+        for rows in (1, 2, 3, 4, 5, 9):
+            x = (torch.randn(rows, k) * 3).bfloat16()
+            got = ops.quant_matmul(x, *args)
+            _assert_bf16_rounding_of_exact(got, x, reference)
+            for i in range(rows):
+                alone = ops.quant_matmul(x[i : i + 1].contiguous(), *args)
+                assert torch.equal(alone, got[i : i + 1])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one_thread = ops.quant_matmul(x, *args)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one_thread, got)
 
 
 def test_row_results_do_not_depend_on_the_batch():

@@ -301,16 +301,26 @@ void check_args(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scal
 at::Tensor quant_matmul_fp32(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                              const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group);
 
-// out [M, N] = x [M, K] @ dequant(w).T in x's dtype: fp32, or bf16 (its rows widened to fp32
-// here, the fp32 result rounded once to bf16 as torch's cast rounds). A bf16 caller so needs no
-// dtype conversions around the call: two dispatched torch ops per projection, 240 per
-// one-stream SmolLM2 decode step (measured: 142-147 -> 149-151 tok/s).
+#if defined(__AVX512BF16__)
+at::Tensor quant_matmul_w4_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                                const c10::optional<at::Tensor>& mn);
+#endif
+
+// out [M, N] = x [M, K] @ dequant(w).T in x's dtype: fp32, or bf16 (the fp32 result rounded
+// once to bf16 as torch's cast rounds). A bf16 caller so needs no dtype conversions around the
+// call: two dispatched torch ops per projection, 240 per one-stream SmolLM2 decode step
+// (measured: 142-147 -> 149-151 tok/s). bf16 rows times 4-bit weights take the bf16 row kernel
+// where AVX512-BF16 runs (quant_matmul_w4_bf16: the same exact products, summed in another
+// order); other bf16 rows are widened to fp32 for the fp32 kernel.
 at::Tensor quant_matmul(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group) {
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;
   at::Tensor x = x_in;
   if (bf16) {
     TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "x must be a contiguous [M, K] tensor");
+#if defined(__AVX512BF16__)
+    if (bits == 4 && group == 32) return quant_matmul_w4_bf16(x_in, q, scale, mn);
+#endif
     x = at::empty(x_in.sizes(), x_in.options().dtype(at::kFloat));
     const auto* src = reinterpret_cast<const uint16_t*>(x_in.const_data_ptr());
     float* dst = x.mutable_data_ptr<float>();
@@ -615,6 +625,209 @@ void quant_dot_layout(const at::Tensor& x, const at::Tensor& q, const at::Tensor
        : quant_dot_rows<S, false, 8>(x, q, scale, mn, out);
   }
 }
+
+// The bf16 row kernel for 4-bit weights in groups of 32 (quant_matmul of a few bf16 rows:
+// decode). A nibble q becomes the bf16 number 16 + q by bit operations alone (the exponent of
+// 16, q in the top 4 of the 7 mantissa bits), so vdpbf16ps multiplies it by a bf16 activation
+// exactly (at most 13 significant bits a product) and sums in fp32, with no conversion
+// instructions; the 16 x terms come back out with the min term:
+//   sum_j x_j (d q_j + m) = d sum_j x_j (16 + q_j) + (m - 16 d) sum_j x_j.
+// Groups are taken in pairs: their 32 bytes widen to 32 words whose low nibbles are elements
+// 0-15 of both groups and whose high nibbles are elements 16-31, so the activations are
+// rearranged once per call to match (XL: 0-15 of both, XH: 16-31 of both); a dot product's
+// lanes 0-7 then hold the first group's partial sums and lanes 8-15 the second's. Against the
+// fp32 kernel (each nibble widened to fp32: 12 vector operations a group) this is about 5.
+constexpr int kW4Rows = 4;
+
+// A row's scales (or mins) as fp32, zero from ``groups`` up to ``padded`` (a multiple of 16).
+CENOTE_INLINE void widen(const c10::Half* p, int64_t groups, int64_t padded, float* out) {
+  for (int64_t g = 0; g < padded; g += 16) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, groups - g));
+    const __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);
+    _mm512_storeu_ps(out + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p + g)));
+  }
+}
+CENOTE_INLINE void widen(const float* p, int64_t groups, int64_t padded, float* out) {
+  for (int64_t g = 0; g < padded; g += 16) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, groups - g));
+    const __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);
+    _mm512_storeu_ps(out + g, _mm512_maskz_loadu_ps(k, p + g));
+  }
+}
+
+// One pair of groups (32 bytes at q; only the first 16 when ``single``) as the bf16 words
+// 16 + q: elements 0-15 of both groups (lo), 16-31 (hi).
+CENOTE_INLINE void w4_pair(const uint8_t* q, bool single, __m512bh& lo, __m512bh& hi) {
+  const __m256i bytes =
+      single ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))
+             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m512i w = _mm512_cvtepu8_epi16(bytes);
+  const __m512i mask = _mm512_set1_epi16(0x78), magic = _mm512_set1_epi16(0x4180);
+  // (a & mask) | magic: the nibble in mantissa bits 3-6 of bf16 16.0
+  lo = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(w, 3), mask, magic, 0xEA);
+  hi = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 1), mask, magic, 0xEA);
+}
+
+// The sums of 4 registers' lanes, in lanes 0, 4, 8 and 12: one tree (each 128-bit chunk of the
+// result holds one register's partial sums, then each chunk's 4 lanes are added), so a row
+// sums in the same order whichever block it is in (fewer than 4 rows: zeros for the rest).
+CENOTE_INLINE __m512 reduce4(const __m512* v) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44),
+                                  _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44),
+                                  _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+  return _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+}
+
+// NB output rows against MB activation rows: xb holds each activation row's pairs (XL, XH),
+// xsum its group sums (zero-padded to gpad); q, d, mn point at the first output row's bytes and
+// its fp32 scales and mins (the next rows at ldq and gpad). Several output rows at a time keep
+// several independent accumulator chains in flight (one alone left the loop waiting on the
+// fused multiply-add latency) and share one reduction tree.
+template <bool HAS_MIN, int MB, int NB>
+CENOTE_INLINE void w4_bf16_block(const __m512bh* xb, int64_t pairs, bool odd, const float* xsum,
+                                 int64_t gpad, const uint8_t* q, int64_t ldq, const float* d,
+                                 const float* mn, uint16_t* out, int64_t ldo) {
+  __m512 acc[NB][MB];
+  #pragma GCC unroll 4
+  for (int r = 0; r < NB; ++r) {  // (m - 16 d) sum(x), lanes = groups
+    #pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < gpad; g += 16) {
+      const __m512 dv = _mm512_loadu_ps(d + r * gpad + g);
+      const __m512 c =
+          HAS_MIN ? _mm512_fnmadd_ps(_mm512_set1_ps(16.f), dv, _mm512_loadu_ps(mn + r * gpad + g))
+                  : _mm512_mul_ps(_mm512_set1_ps(-16.f), dv);
+      #pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m)
+        acc[r][m] = _mm512_fmadd_ps(c, _mm512_loadu_ps(xsum + m * gpad + g), acc[r][m]);
+    }
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bool single = odd && p + 1 == pairs;
+    #pragma GCC unroll 4
+    for (int r = 0; r < NB; ++r) {
+      __m512bh lo, hi;
+      w4_pair(q + r * ldq + 32 * p, single, lo, hi);
+      const float* dr = d + r * gpad + 2 * p;
+      const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(dr[0]), _mm256_set1_ps(dr[1]), 1);
+      #pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh* xp = xb + 2 * (m * pairs + p);
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, xp[0]);
+        t = _mm512_dpbf16_ps(t, hi, xp[1]);
+        acc[r][m] = _mm512_fmadd_ps(t, dv, acc[r][m]);
+      }
+    }
+  }
+  #pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m) {
+    __m512 v[4];
+    for (int r = 0; r < 4; ++r) v[r] = r < NB ? acc[r][m] : _mm512_setzero_ps();
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, reduce4(v));
+    for (int r = 0; r < NB; ++r) out[m * ldo + r] = cenote_bf16::float_to_bf16(sums[4 * r]);
+  }
+}
+
+// Rows [n, n + NB) of the weight against all M activation rows, MB at a time.
+template <typename S, bool HAS_MIN, int NB>
+CENOTE_INLINE void w4_bf16_rows(const __m512bh* xb, int64_t M, int64_t pairs, bool odd,
+                                const float* xsum, int64_t gpad, const uint8_t* qn,
+                                int64_t row_bytes, const S* sn, const S* mnn, int64_t groups,
+                                float* d, float* mnf, uint16_t* out, int64_t N) {
+  for (int r = 0; r < NB; ++r) {
+    widen(sn + r * groups, groups, gpad, d + r * gpad);
+    if (HAS_MIN) widen(mnn + r * groups, groups, gpad, mnf + r * gpad);
+  }
+  int64_t m = 0;
+  for (; m + kW4Rows <= M; m += kW4Rows)
+    w4_bf16_block<HAS_MIN, kW4Rows, NB>(xb + 2 * m * pairs, pairs, odd, xsum + m * gpad, gpad,
+                                        qn, row_bytes, d, mnf, out + m * N, N);
+  const __m512bh* xr = xb + 2 * m * pairs;
+  const float* sr = xsum + m * gpad;
+  switch (M - m) {
+    case 3:
+      w4_bf16_block<HAS_MIN, 3, NB>(xr, pairs, odd, sr, gpad, qn, row_bytes, d, mnf,
+                                    out + m * N, N);
+      break;
+    case 2:
+      w4_bf16_block<HAS_MIN, 2, NB>(xr, pairs, odd, sr, gpad, qn, row_bytes, d, mnf,
+                                    out + m * N, N);
+      break;
+    case 1:
+      w4_bf16_block<HAS_MIN, 1, NB>(xr, pairs, odd, sr, gpad, qn, row_bytes, d, mnf,
+                                    out + m * N, N);
+      break;
+    default:
+      break;
+  }
+}
+
+template <typename S, bool HAS_MIN>
+void quant_w4_bf16_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                        const at::Tensor* mn, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  const int64_t groups = K / 32, pairs = (groups + 1) / 2, row_bytes = K / 2;
+  const int64_t gpad = (groups + 15) / 16 * 16;
+  const bool odd = groups % 2 == 1;
+  // the rows rearranged into pairs (XL, XH), and their group sums in fp32
+  std::vector<__m512bh> xb(2 * M * pairs);
+  std::vector<float> xsum(M * gpad, 0.f);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      alignas(64) uint16_t xl[32], xh[32];
+      const uint16_t* src = xp + m * K + 64 * p;
+      const bool two = !(odd && p + 1 == pairs);
+      for (int j = 0; j < 16; ++j) {
+        xl[j] = src[j];
+        xh[j] = src[16 + j];
+        xl[16 + j] = two ? src[32 + j] : 0;
+        xh[16 + j] = two ? src[48 + j] : 0;
+      }
+      xb[2 * (m * pairs + p)] = (__m512bh)_mm512_load_si512(xl);
+      xb[2 * (m * pairs + p) + 1] = (__m512bh)_mm512_load_si512(xh);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int j = 0; j < 32; ++j) s += cenote_bf16::bf16_to_float(xp[m * K + 32 * g + j]);
+      xsum[m * gpad + g] = s;
+    }
+  }
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const S* sp = scale.data_ptr<S>();
+  const S* mp = HAS_MIN ? mn->data_ptr<S>() : nullptr;
+  auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
+  constexpr int kBlock = 4;  // output rows at a time
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    // each block row's scales and mins as fp32 (+ 16: d[2p + 1] of an odd last pair)
+    std::vector<float> buffer(2 * kBlock * gpad + 16, 0.f);
+    float* d = buffer.data();
+    float* mnf = d + kBlock * gpad + 16;
+    const __m512bh* xr = xb.data();
+    const float* sr = xsum.data();
+    int64_t n = n0;
+    for (; n + kBlock <= n1; n += kBlock) {
+      if (n + 2 * kBlock <= n1) {  // the next block's bytes, while this one computes
+        prefetch(qp + (n + kBlock) * row_bytes, kBlock * row_bytes);
+        prefetch(sp + (n + kBlock) * groups, kBlock * groups * sizeof(S));
+        if (HAS_MIN) prefetch(mp + (n + kBlock) * groups, kBlock * groups * sizeof(S));
+      }
+      w4_bf16_rows<S, HAS_MIN, kBlock>(xr, M, pairs, odd, sr, gpad, qp + n * row_bytes,
+                                       row_bytes, sp + n * groups,
+                                       HAS_MIN ? mp + n * groups : nullptr, groups, d, mnf,
+                                       op + n, N);
+    }
+    for (; n < n1; ++n)
+      w4_bf16_rows<S, HAS_MIN, 1>(xr, M, pairs, odd, sr, gpad, qp + n * row_bytes, row_bytes,
+                                  sp + n * groups, HAS_MIN ? mp + n * groups : nullptr, groups,
+                                  d, mnf, op + n, N);
+  });
+}
 #endif
 
 }  // namespace
@@ -650,6 +863,28 @@ at::Tensor quant_matmul_dot(const at::Tensor& x, const at::Tensor& q, const at::
 #endif
   return out;
 }
+
+#if defined(__AVX512BF16__)
+// out [M, N] bf16 = x [M, K] bf16 @ dequant(w).T for 4-bit weights in groups of 32: the exact
+// products of the bf16 rows and the integer nibbles summed in fp32, scaled per group, the sum
+// rounded once to bf16 (quant_w4_bf16_rows above).
+at::Tensor quant_matmul_w4_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                                const c10::optional<at::Tensor>& mn) {
+  at::Tensor probe = at::empty({0, x.size(1)}, x.options().dtype(at::kFloat));
+  check_args(probe, q, scale, mn, 4, 32);
+  at::Tensor out = at::empty({x.size(0), q.size(0)}, x.options());
+  if (x.size(0) == 0) return out;
+  const at::Tensor* mp = mn.has_value() ? &*mn : nullptr;
+  if (scale.scalar_type() == at::kHalf) {
+    mp ? quant_w4_bf16_rows<c10::Half, true>(x, q, scale, mp, out)
+       : quant_w4_bf16_rows<c10::Half, false>(x, q, scale, mp, out);
+  } else {
+    mp ? quant_w4_bf16_rows<float, true>(x, q, scale, mp, out)
+       : quant_w4_bf16_rows<float, false>(x, q, scale, mp, out);
+  }
+  return out;
+}
+#endif
 
 // fused_ops.cpp
 void add_rms_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
