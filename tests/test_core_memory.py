@@ -110,3 +110,30 @@ def test_steps_reuse_the_memory_the_step_before_freed() -> None:
 def test_keep_step_memory_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("CENOTE_KEEP_STEP_MEMORY", "0")
     assert core.keep_step_memory() is False
+
+
+def test_a_started_process_freezes_what_is_alive() -> None:
+    """freeze_startup_objects (the engine core process and the server front, once started):
+    garbage in reference cycles is collected first, everything alive after that is frozen out
+    of the collector's sight. In a subprocess: a frozen heap is the whole process's."""
+    script = """
+import gc, weakref
+from cenote.engine.heap import freeze_startup_objects
+class Node: pass
+a, b = Node(), Node()
+a.other, b.other = b, a
+gone = weakref.ref(a)
+del a, b
+kept = [Node() for _ in range(1000)]
+frozen = freeze_startup_objects()
+assert gone() is None, "cyclic garbage left alive"
+assert frozen == gc.get_freeze_count() > 1000, frozen
+ids = {id(o) for o in gc.get_objects()}
+assert gc.is_tracked(kept[0]) and id(kept[0]) not in ids, "a live object left in sight"
+print(frozen)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 1000

@@ -17,6 +17,7 @@ import zmq
 
 from cenote.config import EngineConfig
 from cenote.engine.core import EngineCore, refused_output
+from cenote.engine.heap import freeze_startup_objects
 from cenote.engine.ipc import (
     AbortRequests,
     AddRequests,
@@ -55,6 +56,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     encoder = make_encoder()
     try:
         engine = EngineCore(config)
+        freeze_startup_objects()  # a process of its own: what is alive now lives as long
         outputs.send(encoder.encode(Ready(capabilities=engine.capabilities)))
         _CoreLoop(engine, inputs, outputs, parent_pid).run()
     except Exception as e:

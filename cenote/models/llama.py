@@ -95,6 +95,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(layers[0].self_attn.head_dim, config)
         self._decode_stack: DecodeStack | None | Literal[False] = False  # False: not built yet
         self._stack_max_rows = 0.0
+        self._all_fusable: bool | None = None  # _fusable(), once asked
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -109,13 +110,16 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def _fusable(self) -> bool:
-        """Every layer's steps have a fused kernel: SiLU MLPs, RoPE without q/k norms."""
-        return all(
-            isinstance(layer, LlamaDecoderLayer)  # nn.ModuleList types its items as Module
-            and layer.self_attn.q_norm is None
-            and layer.mlp.act is F.silu
-            for layer in self.layers
-        )
+        """Every layer's steps have a fused kernel: SiLU MLPs, RoPE without q/k norms (what the
+        layers are built with, so asked once, not every step)."""
+        if self._all_fusable is None:
+            self._all_fusable = all(
+                isinstance(layer, LlamaDecoderLayer)  # nn.ModuleList types its items as Module
+                and layer.self_attn.q_norm is None
+                and layer.mlp.act is F.silu
+                for layer in self.layers
+            )
+        return self._all_fusable
 
     def _forward_fused(
         self, ops: QuantOps, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

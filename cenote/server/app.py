@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cenote
+from cenote.engine.heap import freeze_startup_objects
 from cenote.server import routes_generate, routes_pooling, routes_scoring, routes_sparse
 from cenote.server.body import JSONRoute
 from cenote.server.errors import (
@@ -90,6 +91,7 @@ async def _start_engine(state: ServerState) -> None:
         logger.error("engine failed to start: %s", e)
         state.client.mark_dead(str(e))
         return
+    freeze_startup_objects()  # the front process's modules, routes and tokenizer
     options = state.options
     logger.info(
         "cenote ready on http://%s:%d serving %s; supported tasks: %s",
