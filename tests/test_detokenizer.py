@@ -5,12 +5,7 @@ import os
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cenote.sampling.detokenizer import (
-    IncrementalDetokenizer,
-    TokenTexts,
-    check_stop_strings,
-    stop_holdback_len,
-)
+from cenote.sampling.detokenizer import IncrementalDetokenizer, TokenTexts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -115,35 +110,3 @@ def test_token_texts_equal_one_token_decodes(tokenizer: Tokenizer) -> None:
     assert texts.lookup(token_ids) == expected
     assert texts.lookup(token_ids[::-1]) == expected[::-1]  # from the cache
     assert texts.lookup([]) == []
-
-
-def test_stop_string_in_new_delta() -> None:
-    match = check_stop_strings("Hello world###tail", 9, ["###"], False)
-    assert match is not None
-    assert match.stop_str == "###" and match.truncate_to == len("Hello world")
-    stop_str, truncate_to = check_stop_strings("Hello world###tail", 9, ["###"], True)
-    assert (stop_str, truncate_to) == ("###", len("Hello world###"))
-
-
-def test_stop_string_spanning_old_and_new_text() -> None:
-    # "##" was already there; the new delta "#x" completes "###".
-    match = check_stop_strings("ab##" + "#x", 2, ["###"], False)
-    assert match is not None and match.truncate_to == 2
-
-
-def test_stop_string_only_in_old_text_is_ignored() -> None:
-    assert check_stop_strings("###abc" + "de", 2, ["###"], False) is None
-    assert check_stop_strings("abc", 0, ["abc"], False) is None
-    assert check_stop_strings("abc", 3, [], False) is None
-
-
-def test_earliest_stop_string_wins() -> None:
-    match = check_stop_strings("say STOP now END", 16, ["END", "STOP"], False)
-    assert match is not None and match.stop_str == "STOP" and match.truncate_to == 4
-
-
-def test_stop_holdback_len() -> None:
-    assert stop_holdback_len("Hello #", ["###"]) == 1
-    assert stop_holdback_len("Hello ##", ["###", "#!"]) == 2
-    assert stop_holdback_len("Hello", ["###"]) == 0
-    assert stop_holdback_len("", ["###"]) == 0

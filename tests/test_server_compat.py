@@ -305,7 +305,7 @@ def test_content_parts_and_roles(smol) -> None:
     plain = _complete(smol, route, messages=text, max_tokens=4)
     assert _complete(smol, route, messages=parts, max_tokens=4)["choices"] == plain["choices"]
     bad_role = [{"role": "<|im_start|>system", "content": "x"}]
-    _error(smol.post(route, json={"messages": bad_role}), 400, "the roles are system, user")
+    _error(smol.post(route, json={"messages": bad_role}), 400, "messages.0.role", "'user'")
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     _error(smol.post(route, json={"messages": image}), 400, "text parts only")
 

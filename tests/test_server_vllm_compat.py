@@ -97,7 +97,7 @@ def test_max_tokens_per_doc_zero_cuts_nothing(minilm) -> None:
     assert cut["usage"]["prompt_tokens"] < uncut["usage"]["prompt_tokens"]
     response = minilm.post("/rerank", json={**body, "max_tokens_per_doc": -5})
     assert response.status_code == 400
-    assert "non-negative" in response.json()["error"]["message"]
+    assert "greater than or equal to 0" in response.json()["error"]["message"]
 
 
 def test_tokenize_token_strs_null_unless_asked(minilm) -> None:

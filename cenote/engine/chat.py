@@ -61,12 +61,17 @@ def render_chat(
         )
     except TemplateError as e:
         raise InvalidInputError(f"chat template failed: {e}") from e
+    except Exception as e:  # a template error on odd input (a None, a missing key) is the input's
+        raise InvalidInputError(
+            f"chat template failed on these messages: {type(e).__name__}: {e}"
+        ) from e
     return _open_final_message(text, messages[-1]) if continue_final_message else text
 
 
 def normalize_messages(messages: Any) -> list[ChatMessage]:
     """Checked copies of ``messages`` with text content: roles in ``ROLES``; content a string,
-    null, or OpenAI content parts (``[{"type": "text", "text": ...}]``, joined by newlines)."""
+    OpenAI content parts (``[{"type": "text", "text": ...}]``, joined by newlines), or null /
+    missing (an assistant turn with tool calls), rendered as ``""``."""
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("messages must be a non-empty list of {'role', 'content'} dicts")
     normalized = []
@@ -82,8 +87,10 @@ def normalize_messages(messages: Any) -> list[ChatMessage]:
     return normalized
 
 
-def _text_content(content: Any, index: int) -> str | None:
-    if content is None or isinstance(content, str):
+def _text_content(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidInputError(
@@ -120,8 +127,8 @@ def render_template(template: str, **variables: Any) -> str:
     try:
         text: str = _compile(template).render(**variables)
         return text
-    except TemplateError as e:
-        raise InvalidInputError(f"template failed: {e}") from e
+    except Exception as e:  # TemplateError, or a TypeError on odd input
+        raise InvalidInputError(f"template failed: {type(e).__name__}: {e}") from e
 
 
 def special_token_variables(tokenizer: Any, hf_config: dict[str, Any]) -> dict[str, str]:

@@ -23,12 +23,8 @@ from cenote.outputs import (
     RequestOutput,
     SparseEmbeddingOutput,
 )
-from cenote.sampling.detokenizer import (
-    IncrementalDetokenizer,
-    TokenTexts,
-    check_stop_strings,
-    stop_holdback_len,
-)
+from cenote.sampling.detokenizer import IncrementalDetokenizer, TokenTexts
+from cenote.sampling.stop_strings import StopStrings, stop_strings
 from cenote.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -66,6 +62,7 @@ class _Completion:
     index: int  # which of the parent's n completions
     params: SamplingParams  # the child's (its stop strings, output kind)
     detokenizer: IncrementalDetokenizer | None
+    stop: StopStrings  # the params' stop strings, matched at once
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
@@ -153,8 +150,9 @@ class OutputProcessor:
                     self.tokenizer, child.prompt_token_ids, params.skip_special_tokens
                 )
             state.completions[child.request_id] = _Completion(
-                index, params, detokenizer, logprobs=[] if params.logprobs is not None else None
-            )
+                index, params, detokenizer, stop_strings(tuple(params.stop_strings)),
+                logprobs=[] if params.logprobs is not None else None,
+            )  # fmt: skip
         return state
 
     def process_outputs(
@@ -221,8 +219,8 @@ class OutputProcessor:
             if out.finish_reason is not None:
                 delta += completion.detokenizer.finish()
             completion.text += delta
-            match = check_stop_strings(
-                completion.text, len(delta), params.stop_strings, params.include_stop_str_in_output
+            match = completion.stop.find(
+                completion.text, len(delta), params.include_stop_str_in_output
             )
             if match is not None and completion.finish_reason is None:
                 completion.text = completion.text[: match.truncate_to]
@@ -307,7 +305,7 @@ def _delta(c: _Completion) -> CompletionOutput | None:
     there is no new text and it did not just finish (its tokens wait for the next output)."""
     if c.sent_finish:
         return None
-    hold = 0 if c.finish_reason else stop_holdback_len(c.text, c.params.stop_strings)
+    hold = 0 if c.finish_reason else c.stop.holdback(c.text)
     end = len(c.text) - hold
     if end <= c.num_sent_chars and c.finish_reason is None:
         return None

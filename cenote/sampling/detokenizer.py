@@ -1,8 +1,6 @@
-"""Incremental detokenization and stop-string matching for generated text."""
+"""Incremental detokenization of generated text, and token texts for logprobs."""
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -86,47 +84,3 @@ class TokenTexts:
             texts = self.tokenizer.decode_batch([[t] for t in missing], skip_special_tokens=False)
             self._texts.update(zip(missing, texts, strict=True))
         return [self._texts[t] for t in token_ids]
-
-
-class StopMatch(NamedTuple):
-    """Where a stop string was found and how to trim the output text."""
-
-    stop_str: str  # the stop string that matched
-    truncate_to: int  # keep output_text[:truncate_to]
-
-
-def check_stop_strings(
-    text: str, new_delta_len: int, stop: list[str], include_stop_str_in_output: bool
-) -> StopMatch | None:
-    """Find the earliest stop string that ends inside the last ``new_delta_len`` characters.
-
-    Only matches overlapping the new text are considered (older text was checked before).
-    ``truncate_to`` cuts before the stop string, or after it when
-    ``include_stop_str_in_output``.
-    """
-    if new_delta_len <= 0 or not stop:
-        return None
-    best: StopMatch | None = None
-    best_index = len(text) + 1
-    for stop_str in stop:
-        # A new match must end after the old text: start no earlier than this.
-        search_from = max(len(text) - new_delta_len - len(stop_str) + 1, 0)
-        index = text.find(stop_str, search_from)
-        if index == -1 or index >= best_index:
-            continue
-        best_index = index
-        end = index + len(stop_str) if include_stop_str_in_output else index
-        best = StopMatch(stop_str=stop_str, truncate_to=end)
-    return best
-
-
-def stop_holdback_len(text: str, stop: list[str]) -> int:
-    """Characters at the end of ``text`` that could start a stop string (hold them back when
-    streaming, so a client never sees a stop string's prefix that is later removed)."""
-    longest = 0
-    for stop_str in stop:
-        for n in range(min(len(stop_str) - 1, len(text)), longest, -1):
-            if text.endswith(stop_str[:n]):
-                longest = n
-                break
-    return longest

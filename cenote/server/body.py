@@ -2,7 +2,7 @@
 
 Routes are ``JSONRoute``s: FastAPI reads the body through ``StrictJSONRequest.json``, which
 refuses invalid UTF-8, invalid JSON (with line and column, not a byte offset), NaN/Infinity,
-nesting beyond ``MAX_DEPTH`` and lone surrogates; big bodies are parsed off the event loop.
+nesting beyond ``MAX_DEPTH``, a key twice in one object and lone surrogates; big bodies are parsed off the event loop.
 """
 
 from __future__ import annotations
@@ -27,6 +27,20 @@ def _no_constant(name: str) -> Any:
     raise BodyError(400, f"the request body contains {name}, which is not valid JSON")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose names are unique (a repeated one would silently lose a value)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise BodyError(
+                    400, f"the request body has the key {key!r:.60} twice in one object"
+                )
+            seen.add(key)
+    return value
+
+
 def parse_json(body: bytes) -> Any:
     """The parsed body, or ``BodyError(400)`` naming what is wrong with it."""
     try:
@@ -36,7 +50,7 @@ def parse_json(body: bytes) -> Any:
             400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})"
         ) from None
     try:
-        value = json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         message = f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
         raise BodyError(400, message) from None

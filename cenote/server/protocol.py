@@ -17,17 +17,47 @@ StrictInt = Annotated[int, Strict()]  # a JSON integer: true / 1.5 / "1" are ref
 Int64 = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]  # 0 or more
 PositiveCount = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
+TruncateTokens = Annotated[int, Strict(), Field(ge=-1, le=INT64_MAX)]  # -1: the model's limit
 TokenIds = list[StrictInt]
 PromptInput = str | list[str] | TokenIds | list[TokenIds]
-ChatMessages = list[dict[str, Any]]  # checked by cenote.engine.chat (roles, content parts)
 EmbedDType = Literal["float32", "float16", "bfloat16"]
 Endianness = Literal["native", "big", "little"]
 
 
 class _Body(BaseModel):
-    """Unknown fields are refused with a 400 naming them (nothing is silently ignored)."""
+    """Unknown fields are refused with a 400 naming them (nothing is silently ignored), and
+    every value must have its JSON type: ``"stream": 1``, ``"yes"``, ``"1"`` for a number or
+    ``true`` for an integer are refused, not coerced."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; cenote.engine.chat reads text parts and refuses the
+    others with a 400 naming the part."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """An OpenAI chat message. Other OpenAI fields (``name``, ``tool_calls``,
+    ``tool_call_id``...) are kept for the chat template; null or no content renders as ""."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+
+
+ChatMessages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them (the fields the client sent)."""
+    return [m.model_dump(exclude_unset=True) for m in messages]
 
 
 class _ChatInput(_Body):
@@ -41,7 +71,7 @@ class _ChatInput(_Body):
 def chat_prompt(body: _ChatInput | ChatCompletionRequest, messages: ChatMessages) -> ChatPrompt:
     """``messages`` with the body's chat-template options."""
     return ChatPrompt(
-        messages=messages,
+        messages=message_dicts(messages),
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         chat_template_kwargs=body.chat_template_kwargs,
@@ -79,14 +109,14 @@ class _PoolingBody(_ChatInput):
     encoding_format: Literal["float", "base64", "bytes"] = "float"  # bytes: raw body + header
     embed_dtype: EmbedDType = "float32"  # element type of base64 / bytes output
     endianness: Endianness = "native"  # byte order of base64 / bytes output
-    dimensions: StrictInt | None = None  # matryoshka truncation
+    dimensions: PositiveCount | None = None  # matryoshka truncation
     user: str | None = None
-    truncate_prompt_tokens: StrictInt | None = None  # -1 = the model's limit
+    truncate_prompt_tokens: TruncateTokens | None = None  # -1 = the model's limit
     truncation_side: Literal["left", "right"] = "right"  # which end truncation cuts
     normalize: bool | None = None  # embeddings: L2 normalization; None = the model's default
     use_activation: bool | None = None  # classifier activation / embedding normalization
     add_special_tokens: bool | None = None  # None: yes for input, no for messages (as vLLM)
-    priority: StrictInt = 0
+    priority: Int64 = 0
     request_id: str | None = None
 
     def prompts(self) -> list[PromptType]:
@@ -133,13 +163,13 @@ class ClassificationRequest(_PoolingBody):
 
 class _ScoringBody(_Body):
     model: str | None = None
-    truncate_prompt_tokens: StrictInt | None = None  # -1 = the model's limit; cuts documents
-    max_tokens_per_doc: StrictInt | None = None  # cut each document to this many tokens
+    truncate_prompt_tokens: TruncateTokens | None = None  # -1 = the model's limit; cuts documents
+    max_tokens_per_doc: Count | None = None  # cut each document to this many (0: no cut)
     use_activation: bool | None = None  # cross-encoders: sigmoid etc.; None = the model's default
     instruction: str | None = None  # for rerankers with a prompt template (Qwen3-Reranker)
     truncation_side: Literal["left", "right"] = "right"  # which end truncation cuts
     user: str | None = None
-    priority: StrictInt = 0
+    priority: Int64 = 0
     request_id: str | None = None
 
     def to_pooling_params(self) -> PoolingParams:
@@ -186,6 +216,8 @@ class ScoreRequest(_ScoringBody):
 
 
 class RerankDocument(BaseModel):
+    model_config = ConfigDict(strict=True)  # other fields of a document object are ignored
+
     text: str
 
 
@@ -195,7 +227,7 @@ class RerankRequest(_ScoringBody):
 
     query: str
     documents: list[str | RerankDocument]  # strings or {"text": ...}
-    top_n: StrictInt | None = None  # None or 0: every document
+    top_n: Count | None = None  # None or 0: every document
     return_documents: bool | None = None  # None: yes on /rerank and /v1/rerank, no on /v2
 
     @property
@@ -262,8 +294,7 @@ class _GenerationBody(_Body):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Count | None = None  # top logprobs per prompt token (vLLM)
     return_token_ids: bool = False  # token ids of prompt and completion in each choice (vLLM)
-    # keep this many prompt tokens (-1: the model's limit)
-    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: TruncateTokens | None = None  # keep this many (-1: the model's limit)
     truncation_side: Literal["left", "right"] = "left"  # generation keeps the prompt's end
     user: str | None = None
     priority: Int64 = 0
@@ -371,4 +402,4 @@ class DetokenizeRequest(_Body):
     """POST /detokenize."""
 
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[Int64]

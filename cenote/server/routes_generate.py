@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from cenote.engine.input_processor import ParentRequest
 from cenote.engine.output_processor import UserOutput
 from cenote.errors import UnsupportedTaskError
+from cenote.messages import EngineCoreRequest
 from cenote.outputs import CompletionOutput, Logprob, RequestOutput
 from cenote.sampling_params import RequestOutputKind, SamplingParams
 from cenote.server.body import JSONRoute
@@ -50,15 +51,21 @@ def _job(state: ServerState, body: CompletionRequest | ChatCompletionRequest) ->
     _check_n(state, body, len(prompts))
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     params = body.to_sampling_params(_logit_bias(state, body.logit_bias), kind)
+    if params.max_tokens is not None:  # before tokenizing, when the body says it
+        _check_generated_tokens(state, len(prompts) * params.n * params.max_tokens)
     prefix = "chatcmpl" if chat else "cmpl"
     engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
+    default_max_tokens = body.default_max_tokens
+    if default_max_tokens is None:
+        default_max_tokens = state.options.default_max_tokens
     # every engine request is built (and validated) before anything is sent or streamed
     requests = processor.process_batch(
         [f"{engine_id}-{i}" for i in range(len(prompts))], prompts, params,
         priority=body.priority, add_special_tokens=body.add_special_tokens,
-        default_max_tokens=body.default_max_tokens,
+        default_max_tokens=default_max_tokens,
     )  # fmt: skip
     state.check_request_tokens(sum(len(r.prompt_token_ids) for r in requests))
+    _check_generated_tokens(state, sum(_max_tokens(c) for r in requests for c in r.children))
     object_name = "chat.completion" if chat else "text_completion"
     return _Job(state, body, new_request_id(prefix, body.request_id), object_name, requests, params)
 
@@ -74,6 +81,7 @@ def _check_request(state: ServerState, body: _GenerationBody) -> None:
         raise BadRequest(
             f"{e}: use /v1/embeddings, /pooling, /classify, /score or /rerank", param="model"
         ) from e
+    _check_stop(state, body)
     if isinstance(body, CompletionRequest) and body.suffix is not None:
         raise BadRequest("suffix is not supported: cenote does not fill in the middle", "suffix")
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
@@ -95,6 +103,50 @@ def _check_request(state: ServerState, body: _GenerationBody) -> None:
             )
 
 
+def _check_stop(state: ServerState, body: _GenerationBody) -> None:
+    """Stop strings and stop token ids are bounded: each string is matched on every token."""
+    limit, char_limit = state.options.max_stop_strings, state.options.max_stop_chars
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if len(stop) > limit:
+        raise BadRequest(
+            f"stop has {len(stop)} strings, more than this server's limit of {limit} "
+            "(--max-stop-strings)",
+            param="stop",
+        )
+    num_chars = sum(len(s) for s in stop)
+    if num_chars > char_limit:
+        raise BadRequest(
+            f"stop strings have {num_chars} characters together, more than this server's limit "
+            f"of {char_limit} (--max-stop-chars)",
+            param="stop",
+        )
+    num_ids = len(body.stop_token_ids or [])
+    if num_ids > limit:
+        raise BadRequest(
+            f"stop_token_ids has {num_ids} ids, more than this server's limit of {limit} "
+            "(--max-stop-strings)",
+            param="stop_token_ids",
+        )
+
+
+def _max_tokens(request: EngineCoreRequest) -> int:
+    params = request.sampling_params
+    assert params is not None and params.max_tokens is not None, "resolved by the processor"
+    return params.max_tokens
+
+
+def _check_generated_tokens(state: ServerState, num_tokens: int) -> None:
+    """One request may not ask for hours of generation: prompts x n x max_tokens is bounded."""
+    limit = state.options.max_request_generated_tokens
+    if num_tokens > limit:
+        raise BadRequest(
+            f"the request asks for up to {num_tokens} generated tokens (prompts x n x "
+            f"max_tokens), more than this server's limit of {limit} per request "
+            "(--max-request-generated-tokens); lower max_tokens or n, or split the request",
+            param="max_tokens",
+        )
+
+
 def _check_n(state: ServerState, body: _GenerationBody, num_prompts: int) -> None:
     """``n`` completions of every prompt must fit the server's queues."""
     capacity = state.engine_config.scheduler.max_num_seqs + state.options.max_waiting_requests
@@ -109,14 +161,17 @@ def _check_n(state: ServerState, body: _GenerationBody, num_prompts: int) -> Non
 
 
 def _logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's ``{"token id": bias}`` as ``{id: bias}``, ids in the vocabulary."""
+    """OpenAI's ``{"token id": bias}`` as ``{id: bias}``: keys are token ids of the vocabulary
+    written in ASCII digits, each id once ("05", " 5", "５" are refused, not read as 5)."""
     if not bias:
         return None
     vocab, result = state.model_config.vocab_size, {}
     for key, value in bias.items():
-        if not key.strip().isdigit() or not 0 <= int(key) < vocab:
+        canonical = key.isascii() and key.isdigit() and str(int(key)) == key
+        if not canonical or not 0 <= int(key) < vocab:
             raise BadRequest(
-                f"logit_bias key {key!r:.40} is not a token id of the vocabulary (size {vocab})",
+                f"logit_bias key {key!r:.40} is not a token id of the vocabulary (size {vocab}): "
+                "keys are ids written in ASCII digits without signs, spaces or leading zeros",
                 param="logit_bias",
             )
         if not -100 <= value <= 100:

@@ -57,6 +57,21 @@ class ServerOptions:
     max_response_values: int = option(
         1 << 22, "numbers in one pooling response, e.g. token_embed tokens x size (more: 400)"
     )
+    max_stop_strings: int = option(
+        64, "stop strings, and stop token ids, in one generation request (more: 400)"
+    )
+    max_stop_chars: int = option(
+        4096, "characters of one generation request's stop strings together (more: 400)"
+    )
+    max_request_generated_tokens: int = option(
+        1 << 18,
+        "tokens one generation request may ask for, prompts x n x max_tokens (more: 400)",
+    )
+    default_max_tokens: int = option(
+        4096,
+        "max_tokens of a chat completion that does not set it (at most what the context has "
+        "left; completions default to 16, as OpenAI's)",
+    )
     max_waiting_requests: int = option(
         4096, "requests queued beyond --max-num-seqs before answering 429"
     )
