@@ -198,6 +198,28 @@ def test_bfloat16_and_bytes_encoding(minilm) -> None:
     _error(minilm.post("/v1/embeddings", json={"input": "a", "embed_dtype": "float16"}), 400)
 
 
+def test_bytes_of_2048_inputs_keep_the_metadata_header_small(default_server) -> None:
+    """vLLM's per-output metadata (~100 bytes each) would make a 213 KB header, refused by httpx,
+    curl and proxies: past 2 KiB it follows the raw bytes in the body, the header names where."""
+    texts = [f"text number {i}" for i in range(2048)]
+    with httpx.Client(base_url=default_server.url, timeout=300) as client:
+        got = client.post("/v1/embeddings", json={"input": texts, "encoding_format": "bytes"})
+        expected = client.post("/v1/embeddings", json={"input": texts}).json()
+    assert got.status_code == 200, got.text
+    assert len(got.headers["metadata"]) <= 2048
+    metadata = json.loads(got.headers["metadata"])
+    assert "data" not in metadata and metadata["usage"] == expected["usage"]
+    assert metadata["data_end"] == len(got.content)
+    items = json.loads(got.content[metadata["data_start"] : metadata["data_end"]])
+    assert [item["index"] for item in items] == list(range(2048))
+    decoded = [
+        np.frombuffer(got.content[item["start"] : item["end"]], np.float32).reshape(item["shape"])
+        for item in items
+    ]
+    floats = np.array([d["embedding"] for d in expected["data"]], dtype=np.float32)
+    np.testing.assert_array_equal(np.stack(decoded), floats)
+
+
 def test_matryoshka_dimensions_enforced(minilm) -> None:
     assert len(_embedding(minilm, dimensions=64)) == 64
     body = {"input": "a", "dimensions": 5}

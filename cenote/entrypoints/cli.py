@@ -87,7 +87,7 @@ def serve(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     from cenote.server.app import build_app
-    from cenote.server.http import with_read_timeout
+    from cenote.server.http import ConnectionLimits, connection_protocol
     from cenote.server.state import ServerState
 
     given = {f.name: getattr(args, f.name) for f in fields(ServerOptions) if hasattr(args, f.name)}
@@ -95,14 +95,17 @@ def serve(args: argparse.Namespace) -> int:
         **{**given, "api_key": _api_key(args.api_key),
            "chat_template": _chat_template(args.chat_template)}
     )  # fmt: skip
+    protocol = connection_protocol(ConnectionLimits(
+        read_timeout_s=options.read_timeout, first_byte_timeout_s=options.first_byte_timeout,
+        max_connections=options.max_connections,
+        max_connections_per_client=options.max_connections_per_client,
+    ))  # fmt: skip
     state = ServerState(EngineArgs.from_cli_args(args).create_engine_config(), options)
     config = uvicorn.Config(
         build_app(state), host=options.host, port=options.port, log_level=options.log_level,
-        access_log=False, timeout_graceful_shutdown=None,
-        http=with_read_timeout(options.read_timeout),
+        access_log=False, timeout_graceful_shutdown=None, http=protocol,
         # uvicorn annotates an int, but the value is a loop delay: seconds as a float work
         timeout_keep_alive=options.keep_alive_timeout,  # type: ignore[arg-type]
-        limit_concurrency=options.max_connections,
     )  # fmt: skip
     server = _Server(config)
     exit_code = 0

@@ -26,6 +26,8 @@ from cenote.tasks import POOLING_TASKS, PoolingTask
 router = APIRouter(route_class=JSONRoute)
 
 _INLINE_RESPONSE_VALUES = 1 << 14  # larger responses are encoded off the event loop
+# the metadata header's bound: with the other headers, well inside nginx's 4 KiB proxy buffer
+_METADATA_HEADER_BYTES = 2048
 _EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -158,8 +160,12 @@ def bytes_response(
     outputs: list[PoolingRequestOutput[Any]],
     body: _PoolingBody,
 ) -> Response:
-    """``encoding_format: bytes`` (vLLM): the outputs' raw bytes back to back as the body; a
-    ``metadata`` header (JSON) gives each one's ``start``/``end`` offsets, shape and dtype."""
+    """``encoding_format: bytes`` (vLLM): the outputs' raw bytes back to back as the body, and a
+    ``metadata`` header (JSON): id, model, usage and ``data``, each output's ``start``/``end``
+    offsets, shape and dtype. When ``data`` would make the header longer than
+    ``_METADATA_HEADER_BYTES`` it follows the raw bytes in the body instead, as JSON, and the
+    header names its offsets (``data_start``, ``data_end``): clients and proxies refuse headers
+    of a few KiB, and ``data`` takes ~100 bytes an output."""
     chunks, items, offset = [], [], 0
     for i, out in enumerate(outputs):
         raw = _raw_bytes(out.outputs.data, body)
@@ -170,15 +176,21 @@ def bytes_response(
         chunks.append(raw)
         offset += len(raw)
     num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    metadata = {
+    metadata: dict[str, Any] = {
         "id": request_id, "object": "list", "created": int(time.time()),
         "model": state.model_name, "data": items,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }  # fmt: skip
+    header = msgspec.json.encode(metadata)
+    if len(header) > _METADATA_HEADER_BYTES:
+        data = msgspec.json.encode(metadata.pop("data"))
+        chunks.append(data)
+        metadata |= {"data_start": offset, "data_end": offset + len(data)}
+        header = msgspec.json.encode(metadata)
     return Response(
         b"".join(chunks),
         media_type="application/octet-stream",
-        headers={"metadata": msgspec.json.encode(metadata).decode()},
+        headers={"metadata": header.decode()},
     )
 
 

@@ -84,7 +84,9 @@ class ServerOptions:
     )
     keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection is kept open")
     max_connections: int = option(
-        1024, "open connections (and their requests) at once; more are answered 503"
+        1024,
+        "connections with a request in progress at once (idle ones do not count); more are "
+        "answered 503, but /health and /metrics always",
     )
     engine_heartbeat_timeout: float = option(
         30.0, "seconds without a word from the engine core before /health reports it hung"
@@ -105,6 +107,14 @@ class ServerOptions:
     )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = option(
         "info", "log level of the server and the engine core", parse=str.lower
+    )
+    first_byte_timeout: float = option(
+        5.0, "seconds a new connection has to send its first byte; silent: closed"
+    )
+    max_connections_per_client: int = option(
+        256,
+        "open connections (idle too) from one client address; more are answered 503 and "
+        "closed at once (behind a load balancer, all come from its address)",
     )
     # not command-line options
     engine_dead_exit_delay_s: float = 2.0  # keep answering 503 this long before exiting
