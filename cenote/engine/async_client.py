@@ -271,10 +271,11 @@ class AsyncEngineClient:
     @property
     def pooling_window(self) -> int:
         """Prompt tokens a pooling wave keeps in the core: what the measured rate runs in
-        ``_POOLING_WAVE_SECONDS``, at most one step's budget (all of it until measured)."""
+        ``_POOLING_WAVE_SECONDS``, at most one step's budget (until a step is measured: one
+        request at a time, whose step measures it)."""
         budget = self.config.scheduler.max_num_batched_tokens
         if self._token_seconds is None:
-            return budget
+            return 1
         return max(min(int(_POOLING_WAVE_SECONDS / self._token_seconds), budget), 1)
 
     def _measure(self, message: StepOutputs) -> None:
