@@ -11,9 +11,9 @@ import torch
 from factories.decoders import make_decoder
 from factories.generation import make_llm
 from factories.processes import run_cenote
+from factories.tokenized import record_tokenized
 
 from cenote.batch.reader import BatchFileError
-from cenote.engine.prompt_tokenizer import PromptTokenizer
 from cenote.entrypoints.run_batch import BatchLimits, run_batch
 from cenote.sampling_params import SamplingParams
 
@@ -42,16 +42,7 @@ def _error(result: dict) -> tuple[int, str]:
 
 @pytest.fixture
 def tokenized(monkeypatch) -> list[int]:
-    """The characters handed to the tokenizer, a call at a time."""
-    calls: list[int] = []
-    encode = PromptTokenizer._encode
-
-    def spy(self, texts, *args, **kwargs):
-        calls.append(sum(map(len, texts)))
-        return encode(self, texts, *args, **kwargs)
-
-    monkeypatch.setattr(PromptTokenizer, "_encode", spy)
-    return calls
+    return record_tokenized(monkeypatch)
 
 
 def test_pooling_lines_equal_offline_and_bad_lines_fail_alone(llm_fp32, tmp_path):

@@ -8,28 +8,37 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# runs ``cenote ARGS`` and writes its peak resident memory (kB) at exit; read by the process
+# itself because a child's rusage also counts the parent's memory it was forked from
+_MEASURED = """
+import atexit, runpy, sys
+report = sys.argv.pop(1)
+def peak():
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    with open(report, "w") as out:
+        out.write(line.split()[1])
+atexit.register(peak)
+runpy.run_module("cenote", run_name="__main__", alter_sys=True)
+"""
+
 
 @dataclass
 class Finished:
     returncode: int
     stdout: str
     stderr: str
-    peak_rss_mib: float  # the child's peak resident memory (getrusage of that child alone)
+    peak_rss_mib: float  # the process's peak resident memory (VmHWM)
 
 
 def run_cenote(args: list[str], folder: Path) -> Finished:
-    """``python -m cenote ARGS`` to its end; its output goes through files in ``folder``."""
+    """``python -m cenote ARGS`` to its end, measured; scratch files go in ``folder``."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out, err = folder / "cenote.stdout", folder / "cenote.stderr"
-    with open(out, "wb") as stdout, open(err, "wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "cenote", *args], env=env, stdout=stdout, stderr=stderr
-        )
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
-    return Finished(
-        process.returncode,
-        out.read_text(),
-        err.read_text(),
-        usage.ru_maxrss / 1024,  # KiB on Linux
-    )
+    report = folder / "cenote.peak"
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURED, str(report), *args],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    peak_kib = int(report.read_text())
+    report.unlink()
+    return Finished(done.returncode, done.stdout, done.stderr, peak_kib / 1024)
