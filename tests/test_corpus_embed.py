@@ -18,7 +18,11 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 from factories.corpus import LONG_TEXT, corpus, embed_job, read_output, write_jsonl
+from factories.processes import run_cenote
+from factories.texts import PROSE
+from factories.tokenized import record_tokenized
 
+from cenote.corpus.embedder import CHARS_PER_TOKEN, MAX_PASSAGE_CHARS, RowError, embed_passages
 from cenote.corpus.readers import CorpusError, open_source, read_chunks
 
 # ---- readers ----------------------------------------------------------------------------------
@@ -122,6 +126,61 @@ def test_too_long_passage_names_its_line_and_keeps_finished_parts(llm_fp32, tmp_
     embed_job(llm_fp32, source, tmp_path / "cut", rows_per_part=8, truncate=-1)
     ids, _, num_tokens = read_output(tmp_path / "cut")
     assert ids == list(range(20)) and num_tokens[13] == 256
+
+
+def test_a_long_passage_cut_before_tokenizing_keeps_the_tokens_of_the_whole(llm_fp32):
+    prose = " ".join(PROSE) + "\n\n"
+    prose = prose * (40_000 // len(prose) + 1)  # 40,000 characters: past every first cut
+    long_words = " ".join(f"{i:04d}" + "x" * 146 for i in range(1000))  # [UNK] each: 150 a token
+    cases = [(prose[start:], n) for start in (0, 1, 7, 123) for n in (-1, 100, 7)]
+    cases += [(long_words, -1), (long_words, 60)]  # the first cut holds too few tokens: wider
+    for text, n in cases:
+        got, num_tokens = embed_passages(llm_fp32, [text], truncate_prompt_tokens=n)
+        (whole,) = llm_fp32.embed([text], truncate_prompt_tokens=n, use_tqdm=False)
+        assert num_tokens[0] == len(whole.prompt_token_ids) == (256 if n == -1 else n)
+        assert np.abs(got[0] - whole.outputs.data.numpy()).max() <= 1e-6, (text[:20], n)
+
+
+def test_a_huge_passage_is_refused_or_cut_without_tokenizing_it(llm_fp32, tmp_path, monkeypatch):
+    prose = " ".join(PROSE) + " "
+    huge = prose * (20_000_000 // len(prose))  # 20 MB on one line
+    (tmp_path / "c.txt").write_text(f"short one\n{huge}\nshort two\n")
+    source = open_source(tmp_path / "c.txt")
+    tokenized = record_tokenized(monkeypatch)
+    with pytest.raises(CorpusError) as info:
+        embed_job(llm_fp32, source, tmp_path / "out")
+    assert str(info.value) == (
+        f"{source.path} line 2: the passage has {len(huge)} characters, more than the limit of "
+        f"{MAX_PASSAGE_CHARS} (max_input_chars); pass --truncate to embed its start"
+    )
+    assert MAX_PASSAGE_CHARS == 1 << 20  # the server's --max-input-chars
+    embed_job(llm_fp32, source, tmp_path / "cut", truncate=-1)
+    _, embeddings, num_tokens = read_output(tmp_path / "cut")
+    assert num_tokens[1] == 256
+    (start,) = llm_fp32.embed([huge[:100_000]], truncate_prompt_tokens=-1, use_tqdm=False)
+    assert np.abs(embeddings[1] - start.outputs.data.numpy()).max() <= 1e-6
+    assert max(tokenized) <= 100_000  # at most a cut's 256 * CHARS_PER_TOKEN, and the reference
+    assert 256 * CHARS_PER_TOKEN < 100_000
+    # a prefix of max_input_chars that still holds too few tokens: refused, not tokenized whole
+    words = " ".join("x" * 10_000 for _ in range(300))  # 3 MB, [UNK] a word: 105 in 1 MiB
+    with pytest.raises(RowError) as info:
+        embed_passages(llm_fp32, ["fine", words], rows=[7, 8], truncate_prompt_tokens=-1)
+    assert info.value.row == 8
+    assert info.value.message == (
+        f"the passage has {len(words)} characters and its first 1048576 (max_input_chars) hold "
+        "no more than the 256 tokens truncation keeps; it is refused rather than tokenized whole"
+    )
+    assert max(tokenized) <= MAX_PASSAGE_CHARS
+
+
+def test_cli_embeds_a_20_mb_passage_in_bounded_memory(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("short one\n" + "word " * 4_000_000 + "\n")
+    args = ["embed", str(path), "-o", str(tmp_path / "out"), "--truncate", "--no-progress"]
+    done = run_cenote([*args, "--dtype", "float32"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert read_output(tmp_path / "out")[2] == [4, 256]  # [CLS] short one [SEP]
+    assert done.peak_rss_mib < 1500  # tokenizing the whole passage: some 3,000 MiB
 
 
 def test_resume_after_kill_9_gives_the_rows_of_an_uninterrupted_run(llm_fp32, tmp_path):

@@ -2,20 +2,25 @@
 shape their response bodies as the HTTP routes do. A line's body is translated by the same
 ``protocol`` methods the routes use and processed on its own (so a bad line fails alone); then
 all embedding lines of a chunk run together, and all completion / chat lines, so the engine sees
-full batches. Score and rerank lines are planned as the routes plan them and run one by one."""
+full batches. Score and rerank lines are planned as the routes plan them and run one by one.
+Every text is held to ``max_input_chars`` before it is tokenized, as the server holds it, and a
+line's texts go through the tokenizer at most ``max_input_chars`` characters at a time."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cenote.batch.lines import BatchLine, LineError
-from cenote.engine.input_processor import ParentRequest
+from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import UserOutput, outputs_of
+from cenote.engine.params_validator import Params
 from cenote.engine.scoring import pair_texts, plan_scores
 from cenote.entrypoints.llm import LLM
+from cenote.inputs import PromptType
 from cenote.outputs import PoolingRequestOutput, RequestOutput
 from cenote.server.protocol import (
     ChatCompletionRequest,
@@ -54,6 +59,7 @@ class GenerationTask:
 class ScoringTask:
     line: BatchLine
     body: ScoreRequest | RerankRequest
+    pairs: list[tuple[str, str]]  # (query, document), each text checked for length
 
 
 Task = PoolingTask | GenerationTask | ScoringTask
@@ -61,11 +67,16 @@ _BODIES = (EmbeddingRequest, CompletionRequest, ChatCompletionRequest, ScoreRequ
 
 
 class BatchHandlers:
-    """Prepare (validate + tokenize) and run batch lines on one ``LLM``."""
+    """Prepare (validate + tokenize) and run batch lines on one ``LLM``; a text of more than
+    ``max_input_chars`` characters is refused before it is tokenized."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, max_input_chars: int) -> None:
         self.llm = llm
-        self.processor = llm.input_processor
+        own = llm.input_processor
+        self.processor = InputProcessor(
+            own.model_config, own.tokenizer, own.capabilities, max_input_chars=max_input_chars
+        )
+        self.max_input_chars = max_input_chars
         self.model_config = llm.config.model
 
     # ---- 1) prepare: every check a route makes, line by line --------------------------------
@@ -86,7 +97,7 @@ class BatchHandlers:
             return self._prepare_embedding(line, body)
         if isinstance(body, CompletionRequest | ChatCompletionRequest):
             return self._prepare_generation(line, body)
-        return ScoringTask(line, body)
+        return self._prepare_scoring(line, body)
 
     def _check_model(self, model: str | None) -> None:
         name = self.model_config.served_model_name
@@ -107,9 +118,8 @@ class BatchHandlers:
                 f"line {line.number}: run-batch writes float32 embeddings as floats or "
                 "little-endian base64 (encoding_format float | base64)"
             )
-        prompts = body.prompts()
-        requests = self.processor.process_batch(
-            _ids(line, len(prompts)), prompts, body.to_pooling_params("embed"),
+        requests = self._process(
+            line, body.prompts(), body.to_pooling_params("embed"),
             add_special_tokens=body.add_special_tokens,
         )  # fmt: skip
         return PoolingTask(line, body, requests)
@@ -119,13 +129,40 @@ class BatchHandlers:
     ) -> GenerationTask:
         if body.stream:
             raise LineError(f"line {line.number}: stream is not available in a batch file")
-        prompts = body.prompts()
-        requests = self.processor.process_batch(
-            _ids(line, len(prompts)), prompts, body.to_sampling_params(),
+        requests = self._process(
+            line, body.prompts(), body.to_sampling_params(),
             add_special_tokens=body.add_special_tokens,
             default_max_tokens=body.default_max_tokens,
         )  # fmt: skip
         return GenerationTask(line, body, requests, body.n)
+
+    def _prepare_scoring(self, line: BatchLine, body: ScoreRequest | RerankRequest) -> ScoringTask:
+        text_1, text_2 = body.texts()
+        pairs = pair_texts(text_1, text_2)
+        names = ("query", "documents") if isinstance(body, RerankRequest) else ("text_1", "text_2")
+        limit = self.max_input_chars
+        for side, name in enumerate(names):
+            for i, pair in enumerate(pairs):
+                if len(pair[side]) > limit:
+                    raise LineError(
+                        f"line {line.number}: {name}[{i}] has {len(pair[side])} characters, "
+                        f"more than the limit of {limit} (--max-input-chars)"
+                    )
+        return ScoringTask(line, body, pairs)
+
+    def _process(
+        self, line: BatchLine, prompts: Sequence[PromptType], params: Params, **options: Any
+    ) -> list[ParentRequest]:
+        """The line's requests, its texts tokenized a group of at most ``max_input_chars``
+        characters at a time (so many long texts never sit in the tokenizer together)."""
+        ids = _ids(line, len(prompts))
+        requests: list[ParentRequest] = []
+        for group in _groups(prompts, self.max_input_chars):
+            requests += self.processor.process_batch(
+                ids[group.start : group.stop], prompts[group.start : group.stop], params,
+                indices=group, **options,
+            )  # fmt: skip
+        return requests
 
     # ---- 2) run: one engine call per kind; 3) shape the bodies -------------------------------
 
@@ -153,9 +190,8 @@ class BatchHandlers:
     def run_scoring(self, task: ScoringTask) -> dict[str, Any]:
         body = task.body
         rerank = isinstance(body, RerankRequest)
-        text_1, text_2 = body.texts()
         plan = plan_scores(
-            self.processor, _ids(task.line, 1)[0], pair_texts(text_1, text_2),
+            self.processor, _ids(task.line, 1)[0], task.pairs,
             body.to_pooling_params(), max_tokens_per_doc=body.max_tokens_per_doc,
             instruction=body.instruction, fit_documents=rerank,
         )  # fmt: skip
@@ -239,3 +275,25 @@ def _is_set(value: Any) -> bool:
 
 def _ids(line: BatchLine, count: int) -> list[str]:
     return [f"batch-{line.number}-{i}" for i in range(count)]
+
+
+def _groups(prompts: Sequence[PromptType], max_chars: int) -> Iterator[range]:
+    """Consecutive prompts of at most ``max_chars`` characters of text together (a longer text
+    alone: the processor refuses it unread)."""
+    start = num_chars = 0
+    for i, prompt in enumerate(prompts):
+        size = _num_chars(prompt)
+        if i > start and num_chars + size > max_chars:
+            yield range(start, i)
+            start, num_chars = i, 0
+        num_chars += size
+    if start < len(prompts):
+        yield range(start, len(prompts))
+
+
+def _num_chars(prompt: PromptType) -> int:
+    """Characters of text a prompt hands the tokenizer (token ids: none)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    text = prompt.get("prompt") if isinstance(prompt, dict) else None
+    return len(text) if isinstance(text, str) else 0

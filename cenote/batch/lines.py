@@ -60,6 +60,8 @@ def parse_line(number: int, raw: bytes) -> BatchLine:
         record = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise LineError(f"line {number} is not valid JSON: {e}") from e
+    except RecursionError as e:  # msgspec's bound on nesting, about 1,000 levels
+        raise LineError(f"line {number} nests JSON too deeply to parse ({e})") from e
     if not isinstance(record, dict):
         raise LineError(f"line {number} is a JSON {type(record).__name__}, not an object")
     custom_id = record.get("custom_id")
@@ -84,14 +86,21 @@ def parse_line(number: int, raw: bytes) -> BatchLine:
     return BatchLine(number, custom_id, url, model)
 
 
+class _Envelope(msgspec.Struct):
+    custom_id: Any = None  # the other fields are skipped, not built
+
+
+_ENVELOPE = msgspec.json.Decoder(_Envelope)
+
+
 def custom_id_of(raw: bytes) -> str | None:
-    """The custom_id of a line that failed to parse, when it has one."""
+    """The line's custom_id when it has a non-empty one, whatever else is wrong with it; never
+    raises (it names the lines that failed)."""
     try:
-        record = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+        custom_id = _ENVELOPE.decode(raw).custom_id
+    except (msgspec.DecodeError, RecursionError):
         return None
-    custom_id = record.get("custom_id") if isinstance(record, dict) else None
-    return custom_id if isinstance(custom_id, str) else None
+    return custom_id if isinstance(custom_id, str) and custom_id else None
 
 
 def error_of(line_number: int, error: Exception) -> LineError:
