@@ -12,6 +12,8 @@ from cenote.errors import InvalidInputError, InvalidInputTypeError
 GREEDY_TEMPERATURE = 1e-5
 # integers cross the process boundary as int64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# OpenAI's bound on logit_bias: every entry is applied to its row at every step
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 class RequestOutputKind(Enum):
@@ -114,6 +116,11 @@ class SamplingParams:
         _check(
             self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
             f"seed must be a 64-bit signed integer, got {self.seed}",
+        )
+        num_biased = len(self.logit_bias or {})
+        _check(
+            num_biased <= MAX_LOGIT_BIAS_ENTRIES,
+            f"logit_bias has {num_biased} entries, at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
         )
         for token_id, bias in (self.logit_bias or {}).items():
             _check(token_id >= 0, f"logit_bias token ids must be non-negative, got {token_id}")

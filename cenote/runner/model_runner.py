@@ -14,7 +14,7 @@ from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.pooler import DispatchPooler
 from cenote.runner.batch import InputBatch, build_input_batch
 from cenote.runner.output import ModelRunnerOutput
-from cenote.sampling.metadata import SamplingMetadata, SamplingRow, make_generator
+from cenote.sampling.metadata import SamplingMetadata, SamplingRow, TokenBias, make_generator
 from cenote.sampling.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -35,7 +35,8 @@ class _Step:
 
 class ModelRunner:
     """Executes scheduler outputs on one model; holds the KV cache tensors and per-request state
-    that lives across steps (seeded generators, hidden states of chunked pooling prompts)."""
+    that lives across steps (seeded generators, logit_bias tensors, hidden states of chunked
+    pooling prompts)."""
 
     def __init__(
         self,
@@ -53,6 +54,7 @@ class ModelRunner:
         self.lm_head: CausalLM | None = model if isinstance(model, CausalLM) else None
         self.sampler = Sampler() if self.lm_head is not None else None
         self._generators: dict[str, torch.Generator] = {}
+        self._logit_biases: dict[str, TokenBias] = {}
         self._partial_hidden: dict[str, list[torch.Tensor]] = {}
 
     @torch.inference_mode()
@@ -60,6 +62,7 @@ class ModelRunner:
         # 1) forget requests that finished or were preempted
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
+            self._logit_biases.pop(request_id, None)
             self._partial_hidden.pop(request_id, None)
         for request_id in scheduler_output.preempted_request_ids:
             self._partial_hidden.pop(request_id, None)
@@ -149,7 +152,13 @@ class ModelRunner:
             masked = list(params.stop_token_ids or [])
             if s.eos_token_id is not None:
                 masked.append(s.eos_token_id)
-        return SamplingRow(params, s.prompt_token_ids, s.output_token_ids, generator, masked)
+        bias = None
+        if params.logit_bias:
+            bias = self._logit_biases.get(s.request_id)
+            if bias is None:
+                bias = TokenBias.from_dict(params.logit_bias, self.vocab_size)
+                self._logit_biases[s.request_id] = bias
+        return SamplingRow(params, s.prompt_token_ids, s.output_token_ids, generator, masked, bias)
 
     def _prompt_logprobs(self, step: _Step, output: ModelRunnerOutput) -> None:
         """Logprobs of each prompt token given the ones before it, for the rows computed now."""

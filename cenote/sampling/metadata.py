@@ -9,6 +9,34 @@ import torch
 from cenote.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class TokenBias:
+    """One request's ``logit_bias`` as tensors, built once when the request is first sampled."""
+
+    token_ids: torch.Tensor  # [num_entries] int64, inside the vocabulary
+    values: torch.Tensor  # [num_entries] fp32, added to those tokens' logits
+
+    @classmethod
+    def from_dict(
+        cls, bias: dict[int, float], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> TokenBias:
+        """Ids outside the vocabulary are dropped (the edge refuses them; never crash here)."""
+        kept = {t: v for t, v in bias.items() if 0 <= t < vocab_size}
+        return cls(
+            token_ids=torch.tensor(list(kept), dtype=torch.int64, device=device),
+            values=torch.tensor(list(kept.values()), dtype=torch.float32, device=device),
+        )
+
+
+@dataclass(frozen=True)
+class BatchBias:
+    """Every biased row's entries of one step, flat, for one ``index_put_``."""
+
+    rows: torch.Tensor  # [num_entries] int64: the row of each entry
+    token_ids: torch.Tensor  # [num_entries] int64
+    values: torch.Tensor  # [num_entries] fp32
+
+
 @dataclass
 class SamplingRow:
     """What the runner knows about one request it samples for this step."""
@@ -18,6 +46,7 @@ class SamplingRow:
     output_token_ids: list[int]  # tokens generated so far (for all penalties)
     generator: torch.Generator | None = None  # the request's own generator when it has a seed
     masked_token_ids: list[int] | None = None  # banned this step (e.g. EOS before min_tokens)
+    logit_bias: TokenBias | None = None  # params.logit_bias as tensors (None: built per step)
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -51,7 +80,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator
     max_num_logprobs: int | None = None  # largest `logprobs` asked for; None = none asked
     masked_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> banned ids
-    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> id -> bias
+    logit_bias: BatchBias | None = None  # every row's logit_bias entries; None = no row has one
 
     @property
     def num_rows(self) -> int:
@@ -114,8 +143,27 @@ class SamplingMetadata:
             masked_token_ids={
                 i: list(row.masked_token_ids) for i, row in enumerate(rows) if row.masked_token_ids
             },
-            logit_bias={i: p.logit_bias for i, p in enumerate(params) if p.logit_bias},
+            logit_bias=_batch_bias(rows, vocab_size, device),
         )
+
+
+def _batch_bias(
+    rows: list[SamplingRow], vocab_size: int, device: torch.device | str
+) -> BatchBias | None:
+    """The biased rows' entries, concatenated (each row's tensors are built once per request)."""
+    biases = {
+        i: row.logit_bias or TokenBias.from_dict(row.params.logit_bias, vocab_size, device)
+        for i, row in enumerate(rows)
+        if row.params.logit_bias
+    }
+    if not biases:
+        return None
+    sizes = torch.tensor([b.token_ids.numel() for b in biases.values()], device=device)
+    return BatchBias(
+        rows=torch.repeat_interleave(torch.tensor(list(biases), device=device), sizes),
+        token_ids=torch.cat([b.token_ids for b in biases.values()]),
+        values=torch.cat([b.values for b in biases.values()]),
+    )
 
 
 def _has_no_penalty(params: SamplingParams) -> bool:
