@@ -164,7 +164,7 @@ def test_classify_matches_offline(cross, cross_llm) -> None:
         ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
         ("/score", {"text_1": "cat dog", "text_2": "yes", "truncate_prompt_tokens": 4},
          "the query has 2 tokens"),
-        ("/score", {"text_1": "a", "text_2": "b", "max_tokens_per_doc": -1}, "non-negative"),
+        ("/score", {"text_1": "a", "text_2": "b", "max_tokens_per_doc": -1}, "greater than or equal to 0"),
         ("/score", {"text_1": "a", "text_2": "b", "model": "nope"}, "does not exist"),
     ],
 )  # fmt: skip
