@@ -212,12 +212,18 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests in one step
     policy: SchedulingPolicy = "fcfs"
     enable_chunked_prefill: bool = True  # causal models only; encoders are never chunked
+    # prompt tokens of one step whose logprobs are asked for (each is a full-vocabulary row)
+    max_prompt_logprobs_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) and max_num_seqs "
                 f"({self.max_num_seqs}) must be positive"
+            )
+        if self.max_prompt_logprobs_tokens < 1:
+            raise ValueError(
+                f"max_prompt_logprobs_tokens must be positive, got {self.max_prompt_logprobs_tokens}"
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}")

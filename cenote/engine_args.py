@@ -101,6 +101,12 @@ class EngineArgs:
         shown=f"max({_MIN_TOKEN_BUDGET}, max_model_len)",
     )
     max_num_seqs: int = option(256, "requests in one engine step")
+    max_prompt_logprobs_tokens: int = option(
+        512,
+        "prompt tokens of one engine step whose logprobs are asked for, all its requests "
+        "together: a prompt with prompt_logprobs is computed in chunks of at most this many "
+        "tokens (each token's logprobs cover the whole vocabulary)",
+    )
     scheduling_policy: SchedulingPolicy = option(
         "fcfs", "fcfs: arrival order; priority: lowest request priority first, then arrival"
     )
@@ -244,6 +250,7 @@ class EngineArgs:
         scheduler = SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs,
+            max_prompt_logprobs_tokens=self.max_prompt_logprobs_tokens,
             policy=self.scheduling_policy,
             enable_chunked_prefill=get_entry(model_config.architecture).is_causal,
         )

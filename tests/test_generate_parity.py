@@ -10,6 +10,7 @@ from factories.generation import (
     hf_log_softmax,
     make_llm,
     random_prompts,
+    record_steps,
     smollm2_hf,
     smollm2_path,
     token_prompts,
@@ -99,6 +100,38 @@ def test_logprobs_and_prompt_logprobs_match_transformers(tiny) -> None:
         assert out.prompt_logprobs[0] is None
         for i in range(1, len(prompt)):
             _check_logprobs(out.prompt_logprobs[i], prompt[i], reference[i - 1], NUM_LOGPROBS)
+
+
+def test_prompt_logprobs_in_bounded_chunks_match_one_pass_and_transformers(tmp_path) -> None:
+    """A prompt asking for prompt logprobs is computed max_prompt_logprobs_tokens at a time, in
+    several steps, with the logprobs of one unchunked pass (and of transformers)."""
+    theirs = make_decoder(tmp_path, "llama")
+    prompts = random_prompts([40, 13], seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    whole = make_llm(tmp_path, block_size=4)
+    chunked = make_llm(tmp_path, block_size=4, max_prompt_logprobs_tokens=8)
+    steps = record_steps(chunked)
+    outs = chunked.generate(token_prompts(prompts), params, use_tqdm=False)
+    refs = whole.generate(token_prompts(prompts), params, use_tqdm=False)
+    # 53 prompt tokens, at most 8 a step (both prompts together): at least 7 steps of prompt
+    num_prompt_tokens = [
+        sum(max(min(r.num_tokens, len(r.prompt_token_ids) - r.start_position), 0)
+            for r in step.scheduled)
+        for step in steps
+    ]  # fmt: skip
+    assert sum(num_prompt_tokens) == 53 and max(num_prompt_tokens) == 8
+    assert len([n for n in num_prompt_tokens if n]) >= 7
+    for prompt, out, ref in zip(prompts, outs, refs, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        reference = hf_log_softmax(theirs, prompt)
+        for i in range(1, len(prompt)):
+            entry, one_pass = out.prompt_logprobs[i], ref.prompt_logprobs[i]
+            assert entry.keys() == one_pass.keys()
+            for token_id, logprob in entry.items():
+                assert logprob.rank == one_pass[token_id].rank
+                assert abs(logprob.logprob - one_pass[token_id].logprob) <= 1e-5
+            _check_logprobs(entry, prompt[i], reference[i - 1], 3)
 
 
 def test_logprobs_zero_returns_only_the_chosen_token(tiny) -> None:

@@ -231,6 +231,36 @@ def test_generation_decodes_max_tokens_then_stops() -> None:
     assert steps == [[(10, True)]] + [[(1, True)]] * 4  # prefill, then one token per step
 
 
+def test_prompt_logprobs_prompts_share_a_bounded_number_of_tokens_per_step() -> None:
+    """Each prompt token whose logprobs are asked is a full-vocabulary row of logits: those
+    tokens have their own budget per step, all requests together; other requests and decoding
+    are not bound by it."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_prompt_logprobs_tokens=8)
+    cache = CacheConfig(block_size=BLOCK_SIZE)
+    scheduler = Scheduler(config, cache, KVCacheManager(64, BLOCK_SIZE, enable_caching=True))
+    for name in ("a", "b"):
+        request = _generation(name, list(range(10, 30)), max_tokens=2)  # 20 prompt tokens
+        assert request.sampling_params is not None
+        request.sampling_params.prompt_logprobs = 1
+        scheduler.add_request(request)
+    scheduler.add_request(_generation("plain", list(range(40, 60)), max_tokens=2))
+    steps = []
+
+    def on_step(step: int, out: SchedulerOutput, outputs: list) -> None:
+        steps.append([(s.request_id, s.start_position, s.num_tokens) for s in out.scheduled])
+
+    _run(scheduler, on_step=on_step)
+    # "b" waits (FCFS, and "plain" behind it) until "a"'s last prompt chunk leaves it room
+    assert steps == [
+        [("a", 0, 8)],
+        [("a", 8, 8)],
+        [("a", 16, 4), ("b", 0, 4), ("plain", 0, 20)],
+        [("a", 20, 1), ("b", 4, 8), ("plain", 20, 1)],
+        [("b", 12, 8)],
+        [("b", 20, 1)],
+    ]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_causal_random_mix_with_small_kv_cache_preempts_and_completes(seed: int) -> None:
     """Generation and pooling requests share a budget of 24 tokens and 16 blocks of 4 tokens;

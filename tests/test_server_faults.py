@@ -149,8 +149,68 @@ def _ipc_dirs() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "cenote-ipc-*")))
 
 
+def test_a_step_keeps_the_heartbeat_going_however_long_it_runs():
+    """The core's heartbeat thread beats through a step (here 1.2 s, beats every 0.1 s) and
+    falls silent between steps, where the idle loop beats instead."""
+    import zmq
+
+    from cenote.engine.core_proc import StepHeartbeat
+    from cenote.engine.ipc import Heartbeat, output_decoder
+
+    context = zmq.Context()
+    front = context.socket(zmq.PULL)
+    front.bind("inproc://heartbeat-test")
+    decoder = output_decoder()
+
+    def beats(wait_s: float) -> int:
+        count, deadline = 0, time.monotonic() + wait_s
+        while front.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+            assert isinstance(decoder.decode(front.recv()), Heartbeat)
+            count += 1
+        return count
+
+    try:
+        with StepHeartbeat(context, "inproc://heartbeat-test", interval=0.1) as heartbeat:
+            assert beats(0.3) == 0  # idle: not this thread's to say
+            with heartbeat.during_step():
+                time.sleep(1.2)  # a long step (torch releases the GIL in its kernels)
+            assert beats(0.0) >= 5
+            assert beats(0.3) == 0
+    finally:
+        front.close(linger=0)
+        context.term()
+
+
+def test_long_prompt_logprobs_run_in_bounded_steps_while_health_answers(gen, smollm2_server):
+    """A prompt asking for prompt logprobs is computed 512 tokens a step (the default
+    --max-prompt-logprobs-tokens): every step's outputs (and heartbeats) reach the front, and
+    /health answers 200 all along."""
+    body = {"prompt": "word " * 600, "max_tokens": 1, "prompt_logprobs": 5}
+    result = {}
+
+    def send() -> None:
+        result["response"] = gen.post("/v1/completions", json=body)
+
+    before = smollm2_server.num_steps()
+    thread = threading.Thread(target=send)
+    thread.start()
+    health = []
+    while thread.is_alive():
+        health.append(httpx.get(f"{smollm2_server.url}/health", timeout=10).status_code)
+        thread.join(0.2)
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    entries = answer["choices"][0]["prompt_logprobs"]
+    assert len(entries) == answer["usage"]["prompt_tokens"] > 512 and entries[0] is None
+    assert all(1 <= len(e) <= 6 for e in entries[1:])
+    assert set(health) == {200}
+    assert smollm2_server.num_steps() - before >= 2  # over 512 prompt tokens, 512 a step
+
+
 def test_hung_core_fails_health_and_a_group_signal_drains_and_exits_0():
     """SIGSTOP of the core: /health says hung (heartbeat deadline), then recovers on SIGCONT.
+    Steps longer than the deadline are not a hung core: /health stays 200 through them.
     SIGTERM to the whole process group (Ctrl-C in a terminal sends SIGINT the same way): the
     in-flight request is answered, exit 0, no traceback, the IPC directory removed."""
     from tests.server_fixture import ServerProcess
@@ -180,6 +240,12 @@ def test_hung_core_fails_health_and_a_group_signal_drains_and_exits_0():
         thread = threading.Thread(target=send)
         thread.start()
         server.wait_for_steps(before)  # in flight
+        # its steps (8,192 tokens on one thread) outlast the 1.5 s deadline: the core beats on
+        health = []
+        for _ in range(10):
+            health.append(_health(server).status_code)
+            time.sleep(0.25)
+        assert set(health) == {200}, health
         os.killpg(server.process.pid, signal.SIGTERM)
         thread.join(120)
         assert result["response"].status_code == 200

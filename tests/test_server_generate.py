@@ -17,7 +17,9 @@ from tests.server_fixture import ServerProcess
 def llama_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_llama")
     make_decoder(folder, "llama")
-    server = ServerProcess(str(folder), "--dtype", "float32", "--num-threads", "1")
+    server = ServerProcess(
+        str(folder), "--dtype", "float32", "--num-threads", "1", "--max-response-values", "2000"
+    )
     try:
         yield server
     finally:
@@ -50,6 +52,21 @@ def test_completion_n_and_seed(llama_server):
         second = http.post("/v1/completions", json=body).json()
     assert [c["index"] for c in first["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in first["choices"]] == [c["text"] for c in second["choices"]]
+
+
+def test_prompt_logprobs_beyond_the_response_bound_are_400(llama_server):
+    """Each prompt token returns prompt_logprobs + 1 numbers: 2 prompts x 50 tokens x 21 are
+    past --max-response-values 2000, and are refused before running; x 6 are served."""
+    body = {"prompt": ["w5 " * 50, "w6 " * 50], "max_tokens": 1, "prompt_logprobs": 20}
+    with httpx.Client(base_url=llama_server.url, timeout=60) as http:
+        refused = http.post("/v1/completions", json=body)
+        served = http.post("/v1/completions", json={**body, "prompt_logprobs": 5})
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert "2100 numbers" in message and "--max-response-values" in message
+    assert "100 prompt tokens x (prompt_logprobs 20 + 1)" in message
+    assert served.status_code == 200, served.text
+    assert [len(c["prompt_logprobs"]) for c in served.json()["choices"]] == [50, 50]
 
 
 def test_chat_without_template_is_400(llama_server):

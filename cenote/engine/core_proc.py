@@ -1,7 +1,9 @@
 """The engine-core process of the server: receive requests, step while there is work, send outputs.
 
 The loop blocks on its input socket when idle (no spinning) and exits when the front process
-sends ``Shutdown`` or disappears.
+sends ``Shutdown`` or disappears. It says it is alive with a heartbeat when idle, and a thread
+of its own says so while a step runs, however long the step: the front declares the core hung
+only when it hears nothing at all (the process stopped or stuck outside Python's reach).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import zmq
 
@@ -34,6 +38,7 @@ from cenote.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle core checks that its front process is still alive
+_STEP_HEARTBEAT_S = 0.5  # how often a core inside a step tells its front it is alive
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
@@ -58,7 +63,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         engine = EngineCore(config)
         freeze_startup_objects()  # a process of its own: what is alive now lives as long
         outputs.send(encoder.encode(Ready(capabilities=engine.capabilities)))
-        _CoreLoop(engine, inputs, outputs, parent_pid).run()
+        with StepHeartbeat(context, output_address) as heartbeat:
+            _CoreLoop(engine, inputs, outputs, parent_pid, heartbeat).run()
     except Exception as e:
         logger.error("engine core failed:\n%s", traceback.format_exc())
         outputs.send(encoder.encode(CoreFailed(message=f"{type(e).__name__}: {e}")))
@@ -76,11 +82,13 @@ class _CoreLoop:
         inputs: zmq.Socket[bytes],
         outputs: zmq.Socket[bytes],
         parent_pid: int,
+        heartbeat: StepHeartbeat,
     ) -> None:
         self.engine = engine
         self.inputs = inputs
         self.outputs = outputs
         self.parent_pid = parent_pid
+        self.heartbeat = heartbeat
         self.encoder = make_encoder()
         self.decoder = input_decoder()
         self.running = True
@@ -128,7 +136,8 @@ class _CoreLoop:
     def _step(self, failed: list[EngineCoreOutput]) -> None:
         waiting = {r.request_id: r.arrival_time for r in self.engine.scheduler.waiting}
         started = time.monotonic()
-        step = self.engine.step()
+        with self.heartbeat.during_step():
+            step = self.engine.step()
         still_waiting = {r.request_id for r in self.engine.scheduler.waiting}
         queue_times = [started - t for rid, t in waiting.items() if rid not in still_waiting]
         step_seconds = time.monotonic() - started
@@ -148,3 +157,53 @@ class _CoreLoop:
             num_waiting=scheduler.num_waiting,
             num_scheduled_tokens=0,
         )
+
+
+class StepHeartbeat:
+    """A thread that sends ``Heartbeat`` every ``interval`` seconds while a step runs, on its own
+    socket (a zmq socket belongs to one thread). Steps are bounded in tokens, not in time: a long
+    prompt on a slow machine may take minutes, and the core is not hung meanwhile."""
+
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        address: str,
+        interval: float = _STEP_HEARTBEAT_S,
+    ) -> None:
+        self.interval = interval
+        self._socket = context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+        self._message = make_encoder().encode(Heartbeat())
+        self._stepping = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cenote-step-heartbeat", daemon=True)
+
+    def __enter__(self) -> StepHeartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._closed.set()
+        self._stepping.set()  # wake the thread so it sees the close
+        self._thread.join()
+        self._socket.close()
+
+    @contextmanager
+    def during_step(self) -> Iterator[None]:
+        self._stepping.set()
+        try:
+            yield
+        finally:
+            self._stepping.clear()
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._stepping.wait()
+            if self._closed.wait(self.interval):
+                return
+            if self._stepping.is_set():
+                try:
+                    self._socket.send(self._message, zmq.NOBLOCK)
+                except zmq.Again:  # the front is not reading; a missed beat is harmless
+                    pass

@@ -55,7 +55,7 @@ class CoreFailed(msgspec.Struct, tag=True):
 
 
 class Heartbeat(msgspec.Struct, tag=True):
-    """Core -> front, while idle: the loop is alive (a step's outputs say so while busy)."""
+    """Core -> front, while idle and during a long step: the core is alive (outputs say so too)."""
 
 
 CoreMessage = Ready | StepOutputs | CoreFailed | Heartbeat

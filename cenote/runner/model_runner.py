@@ -161,27 +161,35 @@ class ModelRunner:
         return SamplingRow(params, s.prompt_token_ids, s.output_token_ids, generator, masked, bias)
 
     def _prompt_logprobs(self, step: _Step, output: ModelRunnerOutput) -> None:
-        """Logprobs of each prompt token given the ones before it, for the rows computed now."""
+        """Logprobs of each prompt token given the ones before it, for the rows computed now: the
+        rows of every request asking for them in one pass (the scheduler bounds their number)."""
         assert self.lm_head is not None  # a CausalLM's runner
+        rows: list[torch.Tensor] = []  # per request: its rows of the step's hidden states
+        next_ids: list[int] = []  # the prompt token each of those rows predicts
+        asked: list[tuple[str, int, int]] = []  # request id, number of rows, top-k
         for i, s in enumerate(step.scheduled):
             params = s.sampling_params
             if params is None or params.prompt_logprobs is None:
                 continue
-            prompt_len = len(s.prompt_token_ids)
-            end = min(
-                s.start_position + s.num_tokens, prompt_len - 1
-            )  # last position with a next prompt token
+            # positions up to the last one with a next prompt token
+            end = min(s.start_position + s.num_tokens, len(s.prompt_token_ids) - 1)
             if end <= s.start_position:
                 continue
             start_row = step.rows(i).start
-            logits = self.lm_head.compute_logits(
-                step.hidden[start_row : start_row + end - s.start_position]
+            rows.append(torch.arange(start_row, start_row + end - s.start_position))
+            next_ids.extend(s.prompt_token_ids[s.start_position + 1 : end + 1])
+            asked.append((s.request_id, end - s.start_position, params.prompt_logprobs))
+        if not asked:
+            return
+        logits = self.lm_head.compute_logits(step.hidden[torch.cat(rows)])  # [num_rows, vocab]
+        max_k = max(k for _, _, k in asked)
+        tensors = compute_prompt_logprobs(logits, torch.tensor(next_ids), max_k)
+        start = 0
+        for request_id, num_rows, k in asked:
+            output.prompt_logprobs[request_id] = _slice_logprobs(
+                tensors, start, start + num_rows, k
             )
-            next_ids = torch.tensor(s.prompt_token_ids[s.start_position + 1 : end + 1])
-            tensors = compute_prompt_logprobs(logits, next_ids, params.prompt_logprobs)
-            output.prompt_logprobs[s.request_id] = _slice_logprobs(
-                tensors, 0, logits.shape[0], params.prompt_logprobs
-            )
+            start += num_rows
 
 
 def _slice_logprobs(tensors: LogprobsTensors, start: int, end: int, k: int) -> LogprobsLists:

@@ -121,13 +121,15 @@ class Scheduler:
         """Pick the requests of the next step.
 
         Invariants: at most ``max_num_batched_tokens`` new tokens and ``max_num_seqs`` requests
-        per step; running requests go first (oldest first), then waiting ones in FCFS (or priority)
-        order, and a waiting request never jumps ahead of an earlier one that does not fit. A
-        request is its ``num_computed_tokens`` catching up with ``num_tokens``; encoder requests
-        are scheduled whole. When KV blocks run out, the newest (or lowest-priority) running
-        request is preempted and recomputed later.
+        per step, of which at most ``max_prompt_logprobs_tokens`` are prompt tokens of requests
+        asking for prompt logprobs; running requests go first (oldest first), then waiting ones
+        in FCFS (or priority) order, and a waiting request never jumps ahead of an earlier one
+        that does not fit. A request is its ``num_computed_tokens`` catching up with
+        ``num_tokens``; encoder requests are scheduled whole. When KV blocks run out, the newest
+        (or lowest-priority) running request is preempted and recomputed later.
         """
         budget = self.config.max_num_batched_tokens
+        logprobs_budget = self.config.max_prompt_logprobs_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         now = time.monotonic()
@@ -137,6 +139,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._cap_prompt_logprobs(request, num_new, logprobs_budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -144,6 +147,7 @@ class Scheduler:
                 break  # the request itself was preempted
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            logprobs_budget -= self._num_prompt_logprobs_tokens(request, num_new)
             index += 1
 
         # 2) waiting requests, unless this step had to preempt
@@ -151,7 +155,9 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            num_admitted = self._admit(request, budget)
+            num_admitted = self._admit(
+                request, self._cap_prompt_logprobs(request, budget, logprobs_budget)
+            )
             if num_admitted is None:
                 break  # FCFS: nobody jumps the queue
             self.waiting.popleft()
@@ -163,6 +169,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_admitted))
             budget -= num_admitted
+            logprobs_budget -= self._num_prompt_logprobs_tokens(request, num_admitted)
 
         output = SchedulerOutput(
             scheduled=scheduled,
@@ -173,8 +180,32 @@ class Scheduler:
         self.finished_request_ids = set()
         return output
 
+    @staticmethod
+    def _asks_prompt_logprobs(request: Request) -> bool:
+        params = request.sampling_params
+        return params is not None and params.prompt_logprobs is not None
+
+    def _cap_prompt_logprobs(self, request: Request, num_new: int, logprobs_budget: int) -> int:
+        """``num_new`` cut to what is left of the step's prompt-logprobs tokens, for a request
+        still computing a prompt whose logprobs it asks for (a chunk then ends at the cut)."""
+        if not self._asks_prompt_logprobs(request):
+            return num_new
+        num_prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+        if num_prompt_left <= 0:
+            return num_new  # decoding: no prompt logprobs left
+        return min(num_new, max(logprobs_budget, 0))
+
+    def _num_prompt_logprobs_tokens(self, request: Request, num_new: int) -> int:
+        """Prompt tokens among the ``num_new`` just scheduled (computed ones are counted at the
+        step's update) that count against the prompt-logprobs budget."""
+        if not self._asks_prompt_logprobs(request):
+            return 0
+        return max(min(num_new, request.num_prompt_tokens - request.num_computed_tokens), 0)
+
     def _admit(self, request: Request, budget: int) -> int | None:
         """Allocate for a waiting request; its number of new tokens, or None if it must wait."""
+        if budget <= 0:
+            return None
         manager = self.kv_cache_manager
         if manager is None:
             num_new = request.num_tokens - request.num_computed_tokens

@@ -66,6 +66,12 @@ def _job(state: ServerState, body: CompletionRequest | ChatCompletionRequest) ->
     )  # fmt: skip
     state.check_request_tokens(sum(len(r.prompt_token_ids) for r in requests))
     _check_generated_tokens(state, sum(_max_tokens(c) for r in requests for c in r.children))
+    if params.prompt_logprobs is not None:  # each prompt token: its own and the top entries
+        num_prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+        state.check_response_values(
+            num_prompt_tokens * (params.prompt_logprobs + 1),
+            f"{num_prompt_tokens} prompt tokens x (prompt_logprobs {params.prompt_logprobs} + 1)",
+        )
     object_name = "chat.completion" if chat else "text_completion"
     return _Job(state, body, new_request_id(prefix, body.request_id), object_name, requests, params)
 

@@ -55,7 +55,9 @@ class ServerOptions:
         65536, "prompt tokens of one request, all its inputs together (more: 400)"
     )
     max_response_values: int = option(
-        1 << 22, "numbers in one pooling response, e.g. token_embed tokens x size (more: 400)"
+        1 << 22,
+        "numbers in one response: token_embed tokens x size, prompt tokens x (prompt_logprobs "
+        "+ 1) (more: 400)",
     )
     max_stop_strings: int = option(
         64, "stop strings, and stop token ids, in one generation request (more: 400)"
