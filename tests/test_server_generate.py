@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -18,8 +19,9 @@ def llama_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_llama")
     make_decoder(folder, "llama")
     server = ServerProcess(
-        str(folder), "--dtype", "float32", "--num-threads", "1", "--max-response-values", "2000"
-    )
+        str(folder), "--dtype", "float32", "--num-threads", "1", "--max-response-values", "2000",
+        "--max-num-seqs", "4",  # the waves test: a request of 8 completions fills every slot
+    )  # fmt: skip
     try:
         yield server
     finally:
@@ -215,3 +217,40 @@ def test_streamed_text_with_a_stop_string_equals_the_full_text(llama_server):
     events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
     chunks = [json.loads(e) for e in events[:-1]]
     assert "".join(c["text"] for chunk in chunks for c in chunk["choices"]) == choice["text"]
+
+
+# ---- fairness: a generation request's completions go out in waves -------------------------
+
+TIMEOUT = 120
+
+
+def test_a_small_request_runs_beside_a_big_generation_request(llama_server):
+    """The big request's 8 completions would fill every slot for 240 steps, the small request
+    (sent after it) waiting behind 4 of them; its waves hold 2 of the 4 slots, so the small
+    request runs at once, while the big one has streamed a small part of its tokens."""
+    big = {"prompt": "w5 w6", "n": 8, "max_tokens": 240, "ignore_eos": True, "stream": True}
+    chunks: list[str] = []
+    started = threading.Event()
+
+    def run_big() -> None:
+        with httpx.stream("POST", f"{llama_server.url}/v1/completions", json=big,
+                          timeout=TIMEOUT) as response:  # fmt: skip
+            if response.status_code != 200:
+                chunks.append(response.read().decode())
+                started.set()
+                return
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(line)
+                    started.set()
+
+    thread = threading.Thread(target=run_big)
+    thread.start()
+    assert started.wait(TIMEOUT)
+    small = httpx.post(f"{llama_server.url}/v1/completions", json={"prompt": "w7", "max_tokens": 2},
+                       timeout=TIMEOUT)  # fmt: skip
+    chunks_then = len(chunks)
+    thread.join()
+    assert small.status_code == 200, small.text
+    assert len(chunks) > 400, chunks[:1]  # about one chunk per token
+    assert chunks_then < len(chunks) // 4, (chunks_then, len(chunks))
