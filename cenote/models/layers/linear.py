@@ -165,7 +165,9 @@ def linear_add_norm(
     if (
         isinstance(layer, TrunkLinear)
         and layer._int8 is None  # w8a8's own epilogue adds in fp32
-        and layer._fusable(x)
+        and x.dim() == 2
+        and x.dtype == layer.weight.dtype
+        and x.is_contiguous()  # packed or not: the choice is the norm's, not the matmul's
         and norm.runs_in_place(residual)
         and residual_add_in_norm()
     ):
