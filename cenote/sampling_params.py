@@ -7,6 +7,7 @@ from enum import Enum, IntEnum
 from typing import Literal
 
 from cenote.errors import InvalidInputError, InvalidInputTypeError
+from cenote.structured.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy decoding.
 GREEDY_TEMPERATURE = 1e-5
@@ -64,6 +65,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep this many (-1: the model's limit)
     truncation_side: Literal["left", "right"] = "left"  # which end of the prompt truncation cuts
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # which outputs are built
+    structured_outputs: StructuredOutputsParams | None = None  # what the output must match
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)

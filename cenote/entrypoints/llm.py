@@ -30,11 +30,13 @@ from cenote.outputs import (
 )
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import RequestOutputKind, SamplingParams
+from cenote.structured.params import StructuredOutputsParams
 from cenote.tasks import PoolingTask
 
 __all__ = [
     "LLM",
     "PoolingParams",
+    "StructuredOutputsParams",
     "SamplingParams",
     "RequestOutput",
     "PoolingRequestOutput",
