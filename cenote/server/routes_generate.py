@@ -97,14 +97,12 @@ def _check_request(state: ServerState, body: _GenerationBody) -> None:
         "functions": bool(body.functions),
         "tool_choice": body.tool_choice not in (None, "none"),
         "function_call": body.function_call not in (None, "none"),
-        "response_format": (body.response_format or {"type": "text"}).get("type") != "text",
         "best_of": body.best_of not in (None, body.n),
     }
     for field, asked in unsupported.items():
         if asked:
             raise BadRequest(
-                f"{field} is not supported: cenote generates plain text (no tool calls, JSON "
-                "mode or structured outputs, no best_of beyond n)",
+                f"{field} is not supported: cenote does not call tools yet, nor best_of beyond n",
                 param=field,
             )
 
