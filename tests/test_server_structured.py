@@ -50,6 +50,19 @@ def test_openai_parse_with_a_pydantic_model(smollm2_server):
     jsonschema.validate(json.loads(message.content or ""), Person.model_json_schema())
 
 
+def test_langchain_with_structured_output(smollm2_server):
+    """LangChain's ``ChatOpenAI(...).with_structured_output(PydanticModel)``, unmodified."""
+    from langchain_openai import ChatOpenAI
+
+    model = httpx.get(f"{smollm2_server.url}/v1/models", timeout=TIMEOUT).json()["data"][0]
+    chat = ChatOpenAI(
+        base_url=f"{smollm2_server.url}/v1", api_key="none", model=model["id"],
+        temperature=0, max_tokens=120, timeout=TIMEOUT,
+    )  # fmt: skip
+    person = chat.with_structured_output(Person).invoke("Invent a person: name, age and city.")
+    assert isinstance(person, Person)
+
+
 def test_json_schema_streamed_and_not(smollm2_server):
     schema = {
         "type": "object",

@@ -219,3 +219,18 @@ def test_smollm2_writes_json_that_validates():
         for constraint, output in zip(constraints, outputs, strict=True):
             assert output.outputs[0].finish_reason == "stop"
             _check(constraint, output.outputs[0].text)
+
+
+def test_the_constraint_can_start_after_given_tokens(llm):
+    """``start_after_token_ids`` (a reasoning model's end of thinking): tokens before them are
+    free, the output after them matches. logit_bias forces "!" (id 3) first; the JSON grammar
+    alone would never allow it there."""
+    constraint = {"json": NESTED, "whitespace_pattern": "", "start_after_token_ids": [3]}
+    params = _params(constraint, None, logit_bias={3: 100.0})
+    text = llm.generate([{"prompt_token_ids": [1, 50]}], [params], use_tqdm=False)[0]
+    completion = text.outputs[0]
+    assert completion.finish_reason == "stop"
+    assert completion.token_ids[0] == 3 and completion.text[0] == "!"
+    jsonschema.validate(json.loads(completion.text[1:]), NESTED)
+    with pytest.raises(InvalidInputError, match="must not be empty"):
+        StructuredOutputsParams(regex="a", start_after_token_ids=[])

@@ -136,7 +136,11 @@ class ModelRunner:
         logits = self.lm_head.compute_logits(step.hidden[last_rows])  # [num_rows, vocab]
         rows = [self._sampling_row(scheduled[i]) for i in indices]
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
-        constrained = [row for row, i in enumerate(indices) if scheduled[i].grammar is not None]
+        constrained = [
+            row
+            for row, i in enumerate(indices)
+            if (grammar := scheduled[i].grammar) is not None and grammar.active
+        ]
         if constrained:
             grammars = [scheduled[indices[row]].grammar for row in constrained]
             metadata.allowed = AllowedTokens(

@@ -30,10 +30,23 @@ _CACHED_GRAMMARS = 128  # compiled grammars kept for reuse, least recently used 
 class RequestGrammar:
     """One request's matcher: ready once compiled; advanced by each token the request accepts."""
 
-    def __init__(self, future: Future[LLMatcher], compiler: GrammarCompiler) -> None:
+    def __init__(
+        self,
+        future: Future[LLMatcher],
+        compiler: GrammarCompiler,
+        start_after: list[int] | None = None,
+    ) -> None:
         self._future = future
         self._matcher: LLMatcher | None = None
         self._compiler = compiler
+        self._start_after = start_after  # None once the constraint is on
+        self._recent: list[int] = []  # the last tokens, while waiting for start_after
+
+    @property
+    def active(self) -> bool:
+        """Whether the constraint is on: from the first token, or once ``start_after`` ended
+        the output (until then no mask applies and no token is consumed)."""
+        return self._start_after is None
 
     @property
     def vocab_size(self) -> int:
@@ -64,12 +77,18 @@ class RequestGrammar:
 
     def accept(self, token_ids: list[int]) -> bool:
         """Advance over ``token_ids``; False if the grammar refused one (its state is an error)."""
-        return self.matcher.consume_tokens(token_ids)
+        for i, token_id in enumerate(token_ids):
+            if self._start_after is None:  # the tokens after it are the constrained ones
+                return self.matcher.consume_tokens(token_ids[i:])
+            self._recent = [*self._recent, token_id][-len(self._start_after) :]
+            if self._recent == self._start_after:
+                self._start_after = None
+        return True
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and accepts nothing more (EOS included)."""
-        return self.matcher.is_stopped()
+        return self.active and self.matcher.is_stopped()
 
 
 class GrammarCompiler:
@@ -99,7 +118,7 @@ class GrammarCompiler:
 
     def submit(self, params: StructuredOutputsParams) -> RequestGrammar:
         future = self._executor.submit(self._compile, params.to_grammar())
-        return RequestGrammar(future, self)
+        return RequestGrammar(future, self, params.start_after_token_ids)
 
     def _compile(self, grammar: str) -> LLMatcher:
         with self._lock:

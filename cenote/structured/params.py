@@ -42,6 +42,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object
     whitespace_pattern: str | None = None  # a regex for the whitespace between JSON tokens
     disable_additional_properties: bool = False  # objects without "additionalProperties" close
+    # the constraint starts after these tokens end the output so far (a reasoning model's
+    # "</think>": the thinking is free, the answer constrained); None: from the first token
+    start_after_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):  # canonical text: the compile cache keys on it
@@ -58,6 +61,8 @@ class StructuredOutputsParams:
                 f"structured outputs: the {self.kind} has {size} characters, at most "
                 f"{MAX_CONSTRAINT_CHARS} are allowed"
             )
+        if self.start_after_token_ids is not None and not self.start_after_token_ids:
+            raise InvalidInputError("structured outputs: start_after_token_ids must not be empty")
         if self.kind == "choice" and not self.choice:
             raise InvalidInputError("structured outputs: choice must list at least one string")
         error = checked_grammar(self.to_grammar())
