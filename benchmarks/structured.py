@@ -61,17 +61,19 @@ class _Timer:
         setattr(module, name, timed)
 
 
-def _run(llm: LLM, prompts: list[str], params: SamplingParams, runs: int, timer: _Timer):
-    rates, mask_share = [], []
+def _run(llm: LLM, prompts: list[str], params: SamplingParams, runs: int, timers: list[_Timer]):
+    rates, shares = [], []
     for _ in range(runs):
-        timer.seconds = 0.0
+        for timer in timers:
+            timer.seconds = 0.0
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rates.append(tokens / elapsed)
-        mask_share.append(timer.seconds / elapsed)
-    return statistics.median(rates), statistics.median(mask_share), tokens / len(prompts)
+        shares.append([timer.seconds / elapsed for timer in timers])
+    share = [statistics.median(s[i] for s in shares) for i in range(len(timers))]
+    return statistics.median(rates), share, tokens / len(prompts)
 
 
 def main() -> None:
@@ -91,9 +93,9 @@ def main() -> None:
         max_num_seqs=max(args.streams),
         enable_prefix_caching=False,
     )
-    timer = _Timer()
-    timer.wrap(model_runner, "allowed_tokens")
-    timer.wrap(sampler, "apply_allowed_tokens")
+    compute, apply = _Timer(), _Timer()
+    compute.wrap(model_runner, "allowed_tokens")
+    apply.wrap(sampler, "apply_allowed_tokens")
     # time to first token: the first structured request builds llguidance's tokenizer
     prompt = ["List some words as JSON."]
     for label, key in (("first structured request", "a"), ("new schema", "b"), ("cached", "b")):
@@ -107,8 +109,8 @@ def main() -> None:
     print(f"time to first token, unconstrained: {(time.perf_counter() - plain_ttft) * 1e3:.1f} ms")
     print(
         f"SmolLM2 Q4_1 GGUF, {args.dtype}, {args.max_tokens} tokens/stream\n"
-        f"{'streams':>8}{'plain':>10}{'json':>10}{'ratio':>8}{'mask share':>12}   "
-        "(tok/s, median; mask share: of the constrained runs' wall time)"
+        f"{'streams':>8}{'plain':>10}{'json':>10}{'ratio':>8}{'masks':>8}{'apply':>8}   "
+        "(tok/s, median; masks (llguidance) / apply: shares of the constrained runs' time)"
     )
     constraint = StructuredOutputsParams(json=_schema(args.min_items))
     for streams in args.streams:
@@ -118,11 +120,12 @@ def main() -> None:
             temperature=0.0, max_tokens=args.max_tokens, structured_outputs=constraint
         )
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        plain_rate, _, _ = _run(llm, prompts, plain, args.runs, timer)
-        json_rate, share, per_stream = _run(llm, prompts, json_params, args.runs, timer)
+        plain_rate, _, _ = _run(llm, prompts, plain, args.runs, [compute, apply])
+        json_rate, share, per_stream = _run(llm, prompts, json_params, args.runs, [compute, apply])
         print(
             f"{streams:>8}{plain_rate:>10.1f}{json_rate:>10.1f}{json_rate / plain_rate:>8.2f}"
-            f"{share * 100:>11.1f}%   ({per_stream:.0f} constrained tokens/stream)"
+            f"{share[0] * 100:>7.1f}%{share[1] * 100:>7.1f}%   "
+            f"({per_stream:.0f} constrained tokens/stream)"
         )
 
 

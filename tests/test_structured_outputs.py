@@ -234,3 +234,34 @@ def test_the_constraint_can_start_after_given_tokens(llm):
     jsonschema.validate(json.loads(completion.text[1:]), NESTED)
     with pytest.raises(InvalidInputError, match="must not be empty"):
         StructuredOutputsParams(regex="a", start_after_token_ids=[])
+
+
+@pytest.mark.parametrize("vocab_size", [320, 331, 300, 400])
+def test_masking_by_bitmask_words_equals_the_unpacked_mask(vocab_size):
+    """``apply_allowed_tokens`` (empty / full / mixed 32-token words, a partial last word,
+    logits wider or narrower than the bitmask) against numpy's unpacked bits; a row that the
+    other masks left empty takes the grammar's mask over its unmasked logits."""
+    import numpy as np
+    import torch
+
+    from cenote.sampling.metadata import AllowedTokens
+    from cenote.sampling.sampler import apply_allowed_tokens
+
+    rng = np.random.default_rng(vocab_size)
+    num_words = 10  # 320 tokens of bitmask
+    words = rng.integers(-(2**31), 2**31, size=(4, num_words), dtype=np.int64).astype(np.int32)
+    words[0, ::2], words[1, 1::3], words[2, :] = 0, -1, 0
+    words[2, 3] = 1 << 5  # one allowed token in the row
+    source = torch.randn(5, vocab_size)
+    logits = source.clone()
+    logits[3] = float("-inf")  # row 3: the other masks banned every token
+    rows = [0, 1, 3, 4]
+    apply_allowed_tokens(logits, AllowedTokens(rows, torch.from_numpy(words)), source)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").astype(bool)
+    for i, row in enumerate(rows):
+        allowed = np.zeros(vocab_size, dtype=bool)
+        width = min(vocab_size, bits.shape[1])
+        allowed[:width] = bits[i, :width]
+        expected = torch.where(torch.from_numpy(allowed), source[row], float("-inf"))
+        assert torch.equal(logits[row], expected), (row, vocab_size)
+    assert torch.equal(logits[2], source[2])  # unconstrained rows untouched

@@ -144,8 +144,7 @@ class ModelRunner:
         if constrained:
             grammars = [scheduled[indices[row]].grammar for row in constrained]
             metadata.allowed = AllowedTokens(
-                rows=torch.tensor(constrained, dtype=torch.int64),
-                mask=allowed_tokens([g for g in grammars if g is not None], logits.shape[-1]),
+                rows=constrained, words=allowed_tokens([g for g in grammars if g is not None])
             )
         result = self.sampler(logits, metadata)
         sampled = result.sampled_token_ids.tolist()

@@ -41,8 +41,8 @@ class BatchBias:
 class AllowedTokens:
     """The grammar-constrained rows of one step and the tokens each may take next."""
 
-    rows: torch.Tensor  # [num_constrained] int64: rows of the step's logits
-    mask: torch.Tensor  # [num_constrained, vocab_size] bool: True where the grammar allows
+    rows: list[int]  # rows of the step's logits
+    words: torch.Tensor  # [len(rows), words] int32 bitmask: bit t % 32 of word t // 32 allows t
 
 
 @dataclass

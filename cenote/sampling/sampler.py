@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -130,17 +131,47 @@ def apply_logit_bias(logits: torch.Tensor, bias: BatchBias) -> torch.Tensor:
 def apply_allowed_tokens(
     logits: torch.Tensor, allowed: AllowedTokens, source: torch.Tensor
 ) -> torch.Tensor:
-    """Structured outputs: ``-inf`` on the tokens a row's grammar does not allow (in place;
-    returns ``logits``). Where the other masks (e.g. EOS before ``min_tokens``) leave a row no
-    allowed token, the grammar wins: the row is the grammar's mask over its unmasked logits
-    (``source``), so the sampled token is always one the grammar accepts."""
-    rows = logits[allowed.rows].masked_fill_(~allowed.mask, float("-inf"))
-    dead = ~torch.isfinite(rows).any(dim=-1)
-    if bool(dead.any()):
-        fallback = source[allowed.rows[dead]].to(torch.float32)
-        rows[dead] = fallback.masked_fill_(~allowed.mask[dead], float("-inf"))
-    logits[allowed.rows] = rows
+    """Structured outputs: ``-inf`` on the tokens a row's grammar does not allow (in place on
+    fp32 CPU rows; returns ``logits``). Where the other masks (e.g. EOS before ``min_tokens``)
+    leave a row no allowed token, the grammar wins: the row is the grammar's mask over its
+    unmasked logits (``source``), so the sampled token is always one the grammar accepts."""
+    words = allowed.words.numpy()
+    for i, row in enumerate(allowed.rows):
+        values = logits[row].numpy()  # a view: written in place
+        _mask_row(values, words[i])
+        if not np.isfinite(values).any():
+            values[:] = source[row].to(torch.float32).numpy()
+            _mask_row(values, words[i])
     return logits
+
+
+_BIT_SHIFTS = np.arange(32, dtype=np.int32)
+
+
+def _mask_row(values: np.ndarray, words: np.ndarray) -> None:
+    """``-inf`` where ``words`` (a bitmask, little-endian bits) has a 0, block by block of 32
+    tokens: empty words fill their block at once, full ones are skipped, and only the mixed
+    ones are unpacked. A grammar allows few tokens at most steps, so this touches little more
+    than the blocks it fills (a bool mask over the vocabulary took ~0.5 ms a row: measured,
+    AMD EPYC AVX2, SmolLM2's 49,152 tokens)."""
+    vocab = values.shape[0]
+    num_full = min(vocab // 32, words.shape[0])
+    blocks = values[: num_full * 32].reshape(num_full, 32)
+    head = words[:num_full]
+    blocks[head == 0] = float("-inf")
+    mixed = np.flatnonzero((head != 0) & (head != -1))
+    if mixed.size:
+        refused = ((head[mixed, None] >> _BIT_SHIFTS) & 1) == 0  # [mixed, 32]
+        part = blocks[mixed]
+        part[refused] = float("-inf")
+        blocks[mixed] = part
+    tail = values[num_full * 32 :]  # past the whole words: a last partial word, or unknown ids
+    if tail.size:
+        bits = np.zeros(tail.size, dtype=bool)
+        if num_full < words.shape[0]:
+            word_bits = ((words[num_full] >> _BIT_SHIFTS) & 1).astype(bool)
+            bits[: min(32, tail.size)] = word_bits[: tail.size]
+        tail[~bits] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
