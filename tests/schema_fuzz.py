@@ -133,9 +133,13 @@ _ONE_OF = {
 }
 _FILL = {"input": "steered input", "prompt": "steered prompt", "queries": "a query",
          "documents": ["a document"], "data_1": "a", "data_2": "b", "text_1": "a", "text_2": "b"}  # fmt: skip
-# OpenAI / TEI fields cenote refuses when they ask for anything (the raw cases cover that)
+# OpenAI / TEI fields cenote refuses when they ask for anything (the raw cases cover that), and
+# output constraints: a drawn regex or schema is a 400 or a constraint no random prompt meets
 _REFUSED = frozenset({"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                      "response_format", "suffix", "best_of", "prompt_name"})  # fmt: skip
+                      "response_format", "suffix", "best_of", "prompt_name",
+                      "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "guided_whitespace_pattern",
+                      "guided_decoding_backend"})  # fmt: skip
 
 
 def steer(path: str, body: Any) -> Any:

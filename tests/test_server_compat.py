@@ -337,9 +337,7 @@ def test_content_parts_and_roles(smol) -> None:
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "required"),
-        ("response_format", {"type": "json_object"}),
         ("functions", [{"name": "f"}]),
-        ("guided_json", {}),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(smol, field, value) -> None:

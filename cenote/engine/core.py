@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from cenote.runner.model_runner import ModelRunner
 from cenote.scheduler.output import SchedulerOutput
 from cenote.scheduler.request import Request, RequestStatus
 from cenote.scheduler.scheduler import Scheduler
+from cenote.structured.grammar import GrammarCompiler
 from cenote.tasks import PoolingTask, SupportedTask
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ logger = logging.getLogger(__name__)
 _DEFAULT_KV_BYTES = 1 << 30
 # this many failed steps in a row: the core itself is broken, not one request
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
+# with nothing to run but requests whose grammars compile: how long a step waits for one
+_GRAMMAR_WAIT_SECONDS = 0.05
 
 
 class EngineCore:
@@ -84,6 +88,8 @@ class EngineCore:
         )
         self.capabilities = self._capabilities(entry.tasks, pooler)
         self._consecutive_failures = 0
+        self._grammars: GrammarCompiler | None = None  # built by the first structured request
+        self._compiling: dict[str, Request] = {}  # requests waiting for their grammar, in order
 
     def _capabilities(
         self, tasks: tuple[SupportedTask, ...], pooler: DispatchPooler | None
@@ -136,30 +142,78 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(
-            Request(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=request.sampling_params,
-                pooling_params=request.pooling_params,
-                token_type_ids=request.token_type_ids,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-            )
+        """Queue a request; one with structured outputs waits for its grammar first (compiled
+        on the compiler's thread), outside the scheduler."""
+        core_request = Request(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            pooling_params=request.pooling_params,
+            token_type_ids=request.token_type_ids,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
         )
+        params = request.sampling_params
+        if params is None or params.structured_outputs is None:
+            if request.request_id in self._compiling:
+                raise ValueError(f"request id {request.request_id!r} is already in the engine")
+            self.scheduler.add_request(core_request)
+            return
+        if request.request_id in self._compiling or request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        core_request.grammar = self._grammar_compiler().submit(params.structured_outputs)
+        self._compiling[request.request_id] = core_request
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.runner.sampler is None:
+            raise ValueError("structured outputs need a model that generates")
+        if self._grammars is None:
+            eos = self.capabilities.eos_token_id
+            self._grammars = GrammarCompiler(
+                self.config.model,
+                self.config.model.vocab_size,
+                eos if isinstance(eos, int | list) else None,  # configs may list several
+            )
+        return self._grammars
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Hand requests whose grammar compiled to the scheduler; refuse those that failed."""
+        refused = []
+        for request_id, request in list(self._compiling.items()):
+            grammar = request.grammar
+            assert grammar is not None  # only structured requests wait here
+            if not grammar.ready:
+                continue
+            del self._compiling[request_id]
+            error = grammar.error()
+            if error is not None:
+                refused.append(refused_output(request_id, ValueError(error)))
+                continue
+            self.scheduler.add_request(request)
+        return refused
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            request = self._compiling.pop(request_id, None)
+            if request is not None and request.grammar is not None:
+                request.grammar.future.cancel()
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     def step(self) -> EngineCoreOutputs:
         """schedule -> execute -> update. A step that raises fails only its own requests (each
         gets an error output naming the cause, its blocks are freed) and the engine goes on;
         ``_MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a row mean the core itself is broken,
         and the exception propagates."""
+        # 0) requests whose grammar compiled join the queue (none running: wait a moment)
+        refused = self._admit_compiled() if self._compiling else []
+        if self._compiling and not self.scheduler.has_unfinished_requests():
+            pending = [r.grammar.future for r in self._compiling.values() if r.grammar]
+            wait(pending, timeout=_GRAMMAR_WAIT_SECONDS, return_when=FIRST_COMPLETED)
+            refused += self._admit_compiled()
         # 1) schedule
         scheduler_output = self.scheduler.schedule()
         try:
@@ -174,7 +228,8 @@ class EngineCore:
                 raise
             outputs = self._fail_step(scheduler_output, e)
         return EngineCoreOutputs(
-            outputs=outputs, stats=self._stats(scheduler_output.total_num_scheduled_tokens)
+            outputs=refused + outputs,
+            stats=self._stats(scheduler_output.total_num_scheduled_tokens),
         )
 
     def _fail_step(
@@ -194,7 +249,7 @@ class EngineCore:
         manager = self.kv_cache_manager
         return SchedulerStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + len(self._compiling),
             num_scheduled_tokens=num_scheduled_tokens,
             kv_cache_usage=manager.usage if manager is not None else 0.0,
             prefix_cache_queries=manager.queries if manager is not None else 0,

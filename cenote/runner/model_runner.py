@@ -14,9 +14,16 @@ from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.pooler import DispatchPooler
 from cenote.runner.batch import InputBatch, build_input_batch
 from cenote.runner.output import ModelRunnerOutput
-from cenote.sampling.metadata import SamplingMetadata, SamplingRow, TokenBias, make_generator
+from cenote.sampling.metadata import (
+    AllowedTokens,
+    SamplingMetadata,
+    SamplingRow,
+    TokenBias,
+    make_generator,
+)
 from cenote.sampling.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
+from cenote.structured.grammar import allowed_tokens
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,13 @@ class ModelRunner:
         logits = self.lm_head.compute_logits(step.hidden[last_rows])  # [num_rows, vocab]
         rows = [self._sampling_row(scheduled[i]) for i in indices]
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
+        constrained = [row for row, i in enumerate(indices) if scheduled[i].grammar is not None]
+        if constrained:
+            grammars = [scheduled[indices[row]].grammar for row in constrained]
+            metadata.allowed = AllowedTokens(
+                rows=torch.tensor(constrained, dtype=torch.int64),
+                mask=allowed_tokens([g for g in grammars if g is not None], logits.shape[-1]),
+            )
         result = self.sampler(logits, metadata)
         sampled = result.sampled_token_ids.tolist()
         for row, i in enumerate(indices):

@@ -37,6 +37,14 @@ class BatchBias:
     values: torch.Tensor  # [num_entries] fp32
 
 
+@dataclass(frozen=True)
+class AllowedTokens:
+    """The grammar-constrained rows of one step and the tokens each may take next."""
+
+    rows: torch.Tensor  # [num_constrained] int64: rows of the step's logits
+    mask: torch.Tensor  # [num_constrained, vocab_size] bool: True where the grammar allows
+
+
 @dataclass
 class SamplingRow:
     """What the runner knows about one request it samples for this step."""
@@ -81,6 +89,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None  # largest `logprobs` asked for; None = none asked
     masked_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> banned ids
     logit_bias: BatchBias | None = None  # every row's logit_bias entries; None = no row has one
+    allowed: AllowedTokens | None = None  # structured outputs' rows: what their grammar allows
 
     @property
     def num_rows(self) -> int:

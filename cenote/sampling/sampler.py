@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from cenote.kernels import quant_ops
-from cenote.sampling.metadata import BatchBias, SamplingMetadata
+from cenote.sampling.metadata import AllowedTokens, BatchBias, SamplingMetadata
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]
 
@@ -75,6 +75,7 @@ class Sampler(nn.Module):
         penalties and temperature; the runner slices each row to its own ``logprobs`` count.
         """
         # 1) fp32 working copy
+        source = logits
         logits = logits.to(torch.float32, copy=True)
         # 2) raw logprobs, before anything changes the logits
         raw_logprobs = None
@@ -87,6 +88,8 @@ class Sampler(nn.Module):
             logits = apply_logit_bias(logits, metadata.logit_bias)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
+        if metadata.allowed is not None:
+            logits = apply_allowed_tokens(logits, metadata.allowed, source)
         # 4) choose
         sampled = sample(logits, metadata, self.argmax)
         # 5) logprobs of the chosen tokens
@@ -121,6 +124,22 @@ def apply_logit_bias(logits: torch.Tensor, bias: BatchBias) -> torch.Tensor:
     forces it."""
     values = bias.values.to(logits.dtype)
     logits.index_put_((bias.rows, bias.token_ids), values, accumulate=True)
+    return logits
+
+
+def apply_allowed_tokens(
+    logits: torch.Tensor, allowed: AllowedTokens, source: torch.Tensor
+) -> torch.Tensor:
+    """Structured outputs: ``-inf`` on the tokens a row's grammar does not allow (in place;
+    returns ``logits``). Where the other masks (e.g. EOS before ``min_tokens``) leave a row no
+    allowed token, the grammar wins: the row is the grammar's mask over its unmasked logits
+    (``source``), so the sampled token is always one the grammar accepts."""
+    rows = logits[allowed.rows].masked_fill_(~allowed.mask, float("-inf"))
+    dead = ~torch.isfinite(rows).any(dim=-1)
+    if bool(dead.any()):
+        fallback = source[allowed.rows[dead]].to(torch.float32)
+        rows[dead] = fallback.masked_fill_(~allowed.mask[dead], float("-inf"))
+    logits[allowed.rows] = rows
     return logits
 
 

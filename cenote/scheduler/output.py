@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cenote.structured.grammar import RequestGrammar
 
 
 @dataclass
@@ -24,6 +28,7 @@ class ScheduledRequest:
     eos_token_id: int | None  # banned before min_tokens; ends generation unless ignore_eos
     completes_prompt: bool  # this step computes the last prompt token (pool now)
     needs_sample: bool  # this step reaches the end of the known tokens (sample now)
+    grammar: RequestGrammar | None = None  # structured outputs: masks the sampled row
 
     @property
     def num_tokens(self) -> int:

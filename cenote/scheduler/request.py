@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cenote.pooling_params import PoolingParams
     from cenote.sampling_params import SamplingParams
+    from cenote.structured.grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -62,6 +63,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
+    grammar: RequestGrammar | None = None  # structured outputs: the output's matcher
 
     @property
     def is_pooling(self) -> bool:

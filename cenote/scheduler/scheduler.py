@@ -13,6 +13,7 @@ from cenote.messages import EngineCoreOutput, LogprobsLists
 from cenote.runner.output import ModelRunnerOutput
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
 from cenote.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from cenote.structured.grammar import RequestGrammar
 from cenote.tasks import PoolingTask
 
 
@@ -282,6 +283,7 @@ class Scheduler:
             eos_token_id=request.eos_token_id,
             completes_prompt=start < prompt_len <= end,
             needs_sample=request.sampling_params is not None and end == request.num_tokens,
+            grammar=request.grammar,
         )
 
     # ---- after the step ---------------------------------------------------------------------
@@ -323,6 +325,8 @@ class Scheduler:
             return None
         request.append_output_token_ids(new_token_ids)
         status = self._check_stop(request) if new_token_ids else None
+        if request.grammar is not None and new_token_ids and status is None:
+            status = self._check_grammar(request.grammar, new_token_ids)
         if status is not None:
             self._finish_running(request, status)
         return EngineCoreOutput(
@@ -367,6 +371,14 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _check_grammar(grammar: RequestGrammar, token_ids: list[int]) -> RequestStatus | None:
+        """Advance the request's matcher; a complete grammar ends the request. The mask allows
+        only tokens the grammar accepts, so a refused one means the row had none left."""
+        if not grammar.accept(token_ids) or grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED
         return None
 
     def _finish_running(self, request: Request, status: RequestStatus) -> None:

@@ -10,6 +10,7 @@ from cenote.errors import InvalidInputError
 from cenote.inputs import ChatPrompt, PromptType, TokensPrompt
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
+from cenote.structured.params import StructuredOutputsParams
 from cenote.tasks import PoolingTask
 
 StrictInt = Annotated[int, Strict()]  # a JSON integer: true / 1.5 / "1" are refused
@@ -305,6 +306,36 @@ class RerankRequest(_ScoringBody):
         return results
 
 
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one of json, json_object, regex, choice, grammar."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or GBNF / EBNF (``::=`` rules)
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False  # vLLM's back-end options: one back end here, nothing to pick
+    disable_any_whitespace: bool = False  # no whitespace between JSON tokens (vLLM)
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(_Body):
     include_usage: bool = False  # a last chunk with the usage of the whole request
     continuous_usage_stats: bool = False  # usage so far in every chunk (vLLM)
@@ -342,11 +373,54 @@ class _GenerationBody(_Body):
     user: str | None = None
     priority: Int64 = 0
     request_id: str | None = None
-    # OpenAI fields cenote does not implement: refused with a 400 when they ask for anything
-    response_format: dict[str, Any] | None = None
-    best_of: PositiveCount | None = None
+    response_format: ResponseFormat | None = None
+    best_of: PositiveCount | None = None  # refused beyond n
+    # structured outputs: vLLM's field, its older guided_* names, OpenAI's response_format
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; llguidance is the one back end
 
     default_max_tokens: ClassVar[int | None] = None  # without max_tokens: the context left
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever of its fields gives one (at most one
+        may); a bad schema, regex or grammar is an InvalidInputError naming the field."""
+        given: dict[str, dict[str, Any]] = {}
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given["structured_outputs"] = dict(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=so.json_object,
+                whitespace_pattern="" if so.disable_any_whitespace else so.whitespace_pattern,
+                disable_additional_properties=so.disable_additional_properties,
+            )  # fmt: skip
+        guided = dict(
+            json=self.guided_json, regex=self.guided_regex, choice=self.guided_choice,
+            grammar=self.guided_grammar,
+        )  # fmt: skip
+        for name, value in guided.items():
+            if value is not None:
+                given[f"guided_{name}"] = {name: value}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = _response_format_constraint(self.response_format)
+        if len(given) > 1:
+            raise InvalidInputError(
+                f"give one output constraint, not {len(given)} ({', '.join(given)})",
+                param=next(iter(given)),
+            )
+        if not given:
+            return None
+        ((field, constraint),) = given.items()
+        if self.guided_whitespace_pattern is not None and field != "structured_outputs":
+            constraint.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+        try:
+            return StructuredOutputsParams(**constraint)
+        except InvalidInputError as e:
+            raise InvalidInputError(str(e), param=field) from e
 
     def _sampling_params(
         self,
@@ -356,7 +430,9 @@ class _GenerationBody(_Body):
         logit_bias: dict[int, float] | None,
         output_kind: RequestOutputKind,
     ) -> SamplingParams:
+        structured = self.structured_outputs_params()
         return SamplingParams(
+            structured_outputs=structured,
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -367,6 +443,21 @@ class _GenerationBody(_Body):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             truncation_side=self.truncation_side, output_kind=output_kind,
         )  # fmt: skip
+
+
+def _response_format_constraint(response_format: ResponseFormat) -> dict[str, Any]:
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    schema = response_format.json_schema
+    if schema is None:
+        raise InvalidInputError(
+            "response_format of type json_schema needs its json_schema", param="response_format"
+        )
+    # OpenAI's strict mode: every object closes (additionalProperties false unless it says)
+    return {
+        "json": schema.schema_ if schema.schema_ is not None else {"type": "object"},
+        "disable_additional_properties": bool(schema.strict),
+    }
 
 
 class CompletionRequest(_GenerationBody):

@@ -121,17 +121,8 @@ def _check_request(state: ServerState, body: _GenerationBody) -> None:
         raise BadRequest("suffix is not supported: cenote does not fill in the middle", "suffix")
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    unsupported = {
-        "response_format": (body.response_format or {"type": "text"}).get("type") != "text",
-        "best_of": body.best_of not in (None, body.n),
-    }
-    for field, asked in unsupported.items():
-        if asked:
-            raise BadRequest(
-                f"{field} is not supported: cenote generates plain text (no JSON mode or "
-                "structured outputs, no best_of beyond n)",
-                param=field,
-            )
+    if body.best_of not in (None, body.n):
+        raise BadRequest("best_of is not supported beyond n: cenote serves n", param="best_of")
 
 
 def _check_stop(state: ServerState, body: _GenerationBody) -> None:

@@ -110,7 +110,11 @@ def _grammar(
                 f"structured outputs: json must be a JSON schema object, got "
                 f"{type(loaded).__name__}"
             )
-        options: dict[str, Any] = {"whitespace_pattern": whitespace_pattern or _JSON_WHITESPACE}
+        options: dict[str, Any] = (
+            {"whitespace_flexible": False}  # "": no whitespace between JSON tokens
+            if whitespace_pattern == ""
+            else {"whitespace_pattern": whitespace_pattern or _JSON_WHITESPACE}
+        )
         if disable_additional_properties:
             options["coerce_one_of"] = True
         defaults: Any = options

@@ -13,6 +13,7 @@ from factories.vocab import (
     DECODER_SPECIALS,
     GENERATION_SPECIALS,
     VOCAB_SIZE,
+    write_byte_level_tokenizer,
     write_generation_tokenizer,
     write_tokenizer,
 )
@@ -103,3 +104,23 @@ def make_qwen2_reward(
     set_config(folder, architectures=[architecture], num_labels=num_labels)
     write_tokenizer(folder, DECODER_SPECIALS, pair_segments=False)
     return trunk, head
+
+
+# byte-level merges of JSON's frequent pairs: multi-byte tokens the grammar must split or join
+JSON_MERGES = [("{", '"'), ('"', ":"), (",", '"'), ('"', "}"), ("Ġ", '"'), ("t", "r"), ("tr", "u")]
+
+
+def make_byte_level_decoder(folder: Path, family: str, seed: int = 0, **overrides):
+    """A seeded random ``family`` causal LM over a byte-level BPE tokenizer (``vocab.
+    write_byte_level_tokenizer``), its vocabulary padded past the tokenizer's as checkpoints
+    often are (those ids decode to nothing). Random weights write bytes at random: only a
+    grammar makes them write JSON."""
+    folder.mkdir(parents=True, exist_ok=True)
+    num_tokens = write_byte_level_tokenizer(folder, JSON_MERGES)
+    config_class, model_class, family_overrides = DECODER_FAMILIES[family]
+    settings = {**GENERATION_DECODER, "vocab_size": -(-(num_tokens + 16) // 64) * 64}
+    settings["max_position_embeddings"] = 1024  # room for whole JSON documents
+    config = hf_config(config_class, settings, family_overrides, overrides)
+    model = random_model(model_class, config, seed)
+    model.save_pretrained(folder)
+    return model

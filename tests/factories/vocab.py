@@ -127,3 +127,19 @@ def write_generation_tokenizer(folder: Path, vocab_size: int) -> None:
     )
     tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with " "
     save_tokenizer(tokenizer, folder, GENERATION_SPECIALS)
+
+
+def write_byte_level_tokenizer(folder: Path, merges: Sequence[tuple[str, str]] = ()) -> int:
+    """``tokenizer.json`` of a GPT-2 style byte-level BPE: ``<pad> <s> </s>``, the 256 byte
+    symbols, then one token per merge (pairs of byte symbols or earlier merges): any text can
+    be written, as structured outputs need. Returns the tokenizer's vocabulary size."""
+    vocab = {special: i for i, special in enumerate(GENERATION_SPECIALS)}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab, list(merges)))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    save_tokenizer(tokenizer, folder, GENERATION_SPECIALS)
+    return len(vocab)
