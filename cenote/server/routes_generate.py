@@ -97,8 +97,9 @@ def _tool_plan(
             state.tool_format, state.tokenizer,
         )  # fmt: skip
     except InvalidInputError as e:
-        if legacy and e.param in _LEGACY_FIELDS:  # the field the client sent
-            e.param = _LEGACY_FIELDS[e.param]
+        if legacy and e.param in _LEGACY_FIELDS:  # name the field the client sent
+            field = _LEGACY_FIELDS[e.param]
+            raise InvalidInputError(f"{field} (as {e.param}): {e}", param=field) from e
         raise
 
 
