@@ -27,6 +27,7 @@ class ChatPrompt(TypedDict):
     continue_final_message: NotRequired[bool]  # leave the last (assistant) message open
     chat_template: NotRequired[str | None]  # a Jinja template instead of the model's
     chat_template_kwargs: NotRequired[dict[str, Any] | None]  # extra template variables
+    tools: NotRequired[list[dict[str, Any]] | None]  # tool definitions the template renders
 
 
 class PairPrompt(TypedDict):

@@ -122,6 +122,23 @@ SampleLogprobs = list[dict[int, Logprob]]  # one dict per generated token
 PromptLogprobs = list[dict[int, Logprob] | None]  # None for the first prompt token
 
 
+@dataclass(frozen=True)
+class FunctionCall:
+    """The function a tool call names, and its arguments."""
+
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call parsed from a chat completion's text (``cenote.assistant``)."""
+
+    id: str  # "call_" + 24 hex digits, unique per call
+    function: FunctionCall
+    type: str = "function"
+
+
 @dataclass
 class CompletionOutput:
     """One of the ``n`` completions of a generation request."""
@@ -133,6 +150,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token that ended it
+    # chat with tools (LLM.chat): the calls parsed from ``text``; None when not parsed
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # chat with a reasoning parser: the thinking
 
     def finished(self) -> bool:
         return self.finish_reason is not None

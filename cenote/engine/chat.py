@@ -83,8 +83,36 @@ def normalize_messages(messages: Any) -> list[ChatMessage]:
             raise InvalidInputError(
                 f"message {i} has role {role!r:.40}; the roles are {', '.join(ROLES)}"
             )
-        normalized.append({**message, "content": _text_content(message.get("content"), i)})
+        copy = {**message, "content": _text_content(message.get("content"), i)}
+        if message.get("tool_calls") is not None:
+            copy["tool_calls"] = _template_tool_calls(message["tool_calls"], i)
+        normalized.append(copy)
     return normalized
+
+
+def _template_tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as HF templates read them: ``arguments`` as a dict
+    (OpenAI sends a JSON string; templates write ``arguments | tojson``)."""
+    if not isinstance(tool_calls, list):
+        raise InvalidInputError(f"message {index}: tool_calls must be a list")
+    calls = []
+    for j, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidInputError(
+                f"message {index}: tool_calls[{j}] must be {{'type': 'function', 'function': "
+                "{'name': ..., 'arguments': ...}}"
+            )
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as e:
+                raise InvalidInputError(
+                    f"message {index}: tool_calls[{j}].function.arguments is not valid JSON: {e}"
+                ) from e
+        calls.append({**call, "function": {**function, "arguments": arguments}})
+    return calls
 
 
 def _text_content(content: Any, index: int) -> str:

@@ -24,7 +24,7 @@ from cenote.models.tokenizer import load_chat_template
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
-_CHAT_ARGUMENTS = ("messages", "add_generation_prompt", "continue_final_message")
+_CHAT_ARGUMENTS = ("messages", "add_generation_prompt", "continue_final_message", "tools")
 
 
 @dataclass
@@ -150,7 +150,7 @@ class InputProcessor:
             prompt["messages"],
             prompt.get("add_generation_prompt", True),
             prompt.get("continue_final_message", False),
-            **{**self._template_tokens, **variables},
+            **{**self._template_tokens, **variables, "tools": prompt.get("tools")},
         )
 
     def truncate_texts(self, texts: list[str], max_tokens: int) -> list[str]:

@@ -9,6 +9,10 @@ import os
 from collections.abc import Sequence
 from typing import Any, TypedDict, TypeVar, Unpack, cast
 
+from cenote.assistant.message import parse_assistant
+from cenote.assistant.reasoning import reasoning_format
+from cenote.assistant.tool_parsers import tool_call_format
+from cenote.assistant.tools import plan_tools
 from cenote.engine import scoring
 from cenote.engine.client import InProcessClient
 from cenote.engine.core import EngineCore
@@ -236,24 +240,55 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, using the model's chat
-        template (or ``chat_template``), rendered in a Jinja sandbox."""
+        template (or ``chat_template``), rendered in a Jinja sandbox.
+
+        ``tools``: OpenAI function tools, rendered by the template; each completion's
+        ``tool_calls`` are those parsed from its text (``tool_call_parser``: hermes,
+        llama3_json, mistral; auto: read from the template). ``tool_choice`` "required" or
+        ``{"type": "function", "function": {"name": ...}}`` forces a call with a grammar.
+        ``reasoning_parser`` (qwen3, deepseek_r1) puts the thinking in ``reasoning_content``."""
         conversations = (
             messages
             if messages and isinstance(messages[0], list)
             else [cast(list[dict[str, Any]], messages)]
         )
+        template = chat_template or self.input_processor.chat_template
+        tool_format = tool_call_format(tool_call_parser, template)
+        plan = plan_tools(tools, tool_choice, None, template, tool_format, self.tokenizer)
         prompts: list[PromptType] = [
             ChatPrompt(
                 messages=conversation,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=plan.template_tools() if plan else None,
             )
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if plan is not None:  # the forcing grammar, the format's special tokens
+            given = SamplingParams() if sampling_params is None else sampling_params
+            each = [given] if isinstance(given, SamplingParams) else list(given)
+            sampling_params = [plan.sampling_params(p) for p in each]
+            if isinstance(given, SamplingParams):
+                sampling_params = sampling_params[0]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        reasoning = reasoning_format(reasoning_parser)
+        parsed_format = plan.format if plan is not None else None
+        if reasoning is not None or parsed_format is not None:
+            for completion in (c for output in outputs for c in output.outputs):
+                reply = parse_assistant(completion.text, reasoning, parsed_format)
+                completion.reasoning_content = reply.reasoning_content
+                if parsed_format is not None:
+                    completion.tool_calls = reply.tool_calls
+        return outputs
 
     # ---- the loop ---------------------------------------------------------------------------
 

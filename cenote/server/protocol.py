@@ -43,14 +43,57 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI: a JSON object as text; the template gets a dict
+
+
+class ToolCallMessage(BaseModel):
+    """A tool call of an earlier assistant turn."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallMessage
+
+
 class ChatMessage(BaseModel):
-    """An OpenAI chat message. Other OpenAI fields (``name``, ``tool_calls``,
-    ``tool_call_id``...) are kept for the chat template; null or no content renders as ""."""
+    """An OpenAI chat message. Other fields (``name``, ``reasoning_content``...) are kept for
+    the chat template; null or no content renders as "" (an assistant turn of tool calls)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 ChatMessages = Annotated[list[ChatMessage], Field(min_length=1)]
@@ -330,14 +373,8 @@ class _GenerationBody(_Body):
     user: str | None = None
     priority: Int64 = 0
     request_id: str | None = None
-    # OpenAI fields cenote does not implement: refused with a 400 when they ask for anything
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    best_of: PositiveCount | None = None
+    best_of: PositiveCount | None = None  # refused beyond n
     # structured outputs: vLLM's field, its older guided_* names, OpenAI's response_format
     structured_outputs: StructuredOutputs | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -461,9 +498,37 @@ class ChatCompletionRequest(_GenerationBody):
     continue_final_message: bool = False  # leave the last (assistant) message open
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the template writes the special tokens (vLLM)
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # None: allowed, as OpenAI
+    functions: list[FunctionDefinition] | None = None  # legacy tools
+    function_call: Literal["none", "auto"] | FunctionName | None = None  # legacy tool_choice
 
-    def prompts(self) -> list[PromptType]:
-        return [chat_prompt(self, self.messages)]
+    def tool_fields(self) -> tuple[list[dict[str, Any]] | None, Any, bool]:
+        """(tools, tool_choice, legacy) with legacy ``functions`` / ``function_call`` as tools;
+        ``legacy``: the request used them."""
+        if self.functions is None and self.function_call is None:
+            tools = [t.model_dump(exclude_none=True) for t in self.tools or []] or None
+            choice = self.tool_choice
+            return tools, choice.model_dump() if isinstance(choice, BaseModel) else choice, False
+        if self.tools is not None or self.tool_choice is not None:
+            raise InvalidInputError(
+                "pass tools and tool_choice, or the legacy functions and function_call, not both",
+                param="functions",
+            )
+        functions = [{"type": "function", "function": f.model_dump(exclude_none=True)}
+                     for f in self.functions or []] or None  # fmt: skip
+        call = self.function_call
+        if isinstance(call, FunctionName):
+            return functions, {"type": "function", "function": {"name": call.name}}, True
+        return functions, call, True
+
+    def prompts(self, tools: list[dict[str, Any]] | None = None) -> list[PromptType]:
+        """The chat prompt; ``tools``: the definitions its template renders."""
+        prompt = chat_prompt(self, self.messages)
+        if tools:
+            prompt["tools"] = tools
+        return [prompt]
 
     def to_sampling_params(
         self,

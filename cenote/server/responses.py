@@ -207,9 +207,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: empty, with tool calls or reasoning parsed
+    reasoning_content: str | None = None  # with --reasoning-parser: the thinking
+    tool_calls: list[ToolCall] | None = None  # with tools: the calls parsed from the text
 
 
 class ChatChoice(BaseModel):

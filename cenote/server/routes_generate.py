@@ -11,11 +11,13 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from cenote.engine.input_processor import ParentRequest
+from cenote.assistant.message import AssistantStream, parse_assistant
+from cenote.assistant.tools import ToolPlan, plan_tools
+from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import UserOutput
-from cenote.errors import UnsupportedTaskError
+from cenote.errors import InvalidInputError, UnsupportedTaskError
 from cenote.messages import EngineCoreRequest
-from cenote.outputs import CompletionOutput, Logprob, RequestOutput
+from cenote.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
 from cenote.sampling_params import RequestOutputKind, SamplingParams
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest, describe_error
@@ -45,12 +47,19 @@ def _job(state: ServerState, body: CompletionRequest | ChatCompletionRequest) ->
     processor = state.processor()
     _check_request(state, body)
     chat = isinstance(body, ChatCompletionRequest)
-    prompts = body.prompts()
+    plan = None
+    if isinstance(body, ChatCompletionRequest):  # tools: checked, rendered by the template
+        plan = _tool_plan(state, processor, body)
+        prompts = body.prompts(plan.template_tools() if plan else None)
+    else:
+        prompts = body.prompts()
     if not chat:
         state.check_prompts(prompts)
     _check_n(state, body, len(prompts))
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     params = body.to_sampling_params(_logit_bias(state, body.logit_bias), kind)
+    if plan is not None:  # a forced call's grammar; the format's special tokens kept
+        params = plan.sampling_params(params)
     if params.max_tokens is not None:  # before tokenizing, when the body says it
         _check_generated_tokens(state, len(prompts) * params.n * params.max_tokens)
     prefix = "chatcmpl" if chat else "cmpl"
@@ -73,7 +82,28 @@ def _job(state: ServerState, body: CompletionRequest | ChatCompletionRequest) ->
             f"{num_prompt_tokens} prompt tokens x (prompt_logprobs {params.prompt_logprobs} + 1)",
         )
     object_name = "chat.completion" if chat else "text_completion"
-    return _Job(state, body, new_request_id(prefix, body.request_id), object_name, requests, params)
+    response_id = new_request_id(prefix, body.request_id)
+    return _Job(state, body, response_id, object_name, requests, params, plan)
+
+
+def _tool_plan(
+    state: ServerState, processor: InputProcessor, body: ChatCompletionRequest
+) -> ToolPlan | None:
+    """The request's tools checked against the model's template and tool call format."""
+    tools, tool_choice, legacy = body.tool_fields()
+    try:
+        return plan_tools(
+            tools, tool_choice, body.parallel_tool_calls, processor.chat_template,
+            state.tool_format, state.tokenizer,
+        )  # fmt: skip
+    except InvalidInputError as e:
+        if legacy and e.param in _LEGACY_FIELDS:  # name the field the client sent
+            field = _LEGACY_FIELDS[e.param]
+            raise InvalidInputError(f"{field} (as {e.param}): {e}", param=field) from e
+        raise
+
+
+_LEGACY_FIELDS = {"tools": "functions", "tool_choice": "function_call"}
 
 
 def _check_request(state: ServerState, body: _GenerationBody) -> None:
@@ -92,19 +122,8 @@ def _check_request(state: ServerState, body: _GenerationBody) -> None:
         raise BadRequest("suffix is not supported: cenote does not fill in the middle", "suffix")
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    unsupported = {
-        "tools": bool(body.tools),
-        "functions": bool(body.functions),
-        "tool_choice": body.tool_choice not in (None, "none"),
-        "function_call": body.function_call not in (None, "none"),
-        "best_of": body.best_of not in (None, body.n),
-    }
-    for field, asked in unsupported.items():
-        if asked:
-            raise BadRequest(
-                f"{field} is not supported: cenote does not call tools yet, nor best_of beyond n",
-                param=field,
-            )
+    if body.best_of not in (None, body.n):
+        raise BadRequest("best_of is not supported beyond n: cenote serves n", param="best_of")
 
 
 def _check_stop(state: ServerState, body: _GenerationBody) -> None:
@@ -184,6 +203,11 @@ def _logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, 
     return result
 
 
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": call.type,
+            "function": {"name": call.function.name, "arguments": call.function.arguments}}  # fmt: skip
+
+
 class _Job:
     """One HTTP generation request: its prompts' requests (n completions each), the response
     shape. Streams read DELTA outputs, whole answers FINAL_ONLY ones."""
@@ -196,6 +220,7 @@ class _Job:
         object_name: str,
         requests: list[ParentRequest],
         params: SamplingParams,
+        plan: ToolPlan | None = None,
     ) -> None:
         self.state = state
         self.body = body
@@ -206,6 +231,10 @@ class _Job:
         self.chat = isinstance(body, ChatCompletionRequest)
         self.created = int(time.time())
         self._offsets: dict[tuple[int, int], int] = {}  # text offset reached per choice
+        # chat: how replies are read (thinking, tool calls), and each streamed choice's reader
+        self.reasoning = state.reasoning_format if self.chat else None
+        self.tool_format = plan.format if plan is not None else None
+        self._replies: dict[tuple[int, int], AssistantStream] = {}
 
     async def respond(self, raw_request: Request) -> Response:
         if self.body.stream:
@@ -293,7 +322,10 @@ class _Job:
                 choices = []
                 for c in output.outputs:
                     key = (index, c.index)
-                    choices.append(self._choice(index, c, output, first=key not in seen))
+                    if self.chat:
+                        choices.extend(self._chat_deltas(index, c))
+                    else:
+                        choices.append(self._choice(index, c, output, first=key not in seen))
                     seen.add(key)
                 for choice in choices:  # one choice per chunk, as OpenAI and vLLM stream
                     usage = self._usage(final) if continuous else None
@@ -317,13 +349,10 @@ class _Job:
         choice_index = index * self.params.n + c.index
         text, token_ids, entries = c.text, c.token_ids, c.logprobs
         if self.chat:
-            key = "delta" if self.body.stream else "message"
-            message = (
-                {"content": text} if self.body.stream else {"role": "assistant", "content": text}
-            )
-            choice: dict[str, Any] = {"index": choice_index, key: message,
+            message, finish_reason = self._message(text, c.finish_reason)
+            choice: dict[str, Any] = {"index": choice_index, "message": message,
                       "logprobs": None if entries is None else self._chat_logprobs(token_ids, entries),
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
+                      "finish_reason": finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
             if self.body.return_token_ids:
                 choice["token_ids"] = list(token_ids)
             return choice
@@ -345,6 +374,69 @@ class _Job:
         if first:
             choice.update(self._prompt_extras(output))
         return choice
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole reply as OpenAI's message, and its finish reason ("tool_calls" with calls)."""
+        if self.reasoning is None and self.tool_format is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        reply = parse_assistant(text, self.reasoning, self.tool_format)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if self.reasoning is not None:
+            message["reasoning_content"] = reply.reasoning_content
+        if reply.tool_calls:
+            message["tool_calls"] = [_tool_call(call) for call in reply.tool_calls]
+            finish_reason = "tool_calls"
+        return message, finish_reason
+
+    def _chat_deltas(self, index: int, c: CompletionOutput) -> list[dict[str, Any]]:
+        """The streamed chunks' choices of one output delta: its reasoning and content, then
+        per tool call completed in it a chunk naming it and one with its arguments. Text that
+        may be a marker's start is held back; the last chunk carries the finish reason."""
+        choice_index = index * self.params.n + c.index
+        entries = c.logprobs
+        first: dict[str, Any] = {"index": choice_index, "delta": {"content": c.text},
+                 "logprobs": None if entries is None else self._chat_logprobs(c.token_ids, entries),
+                 "finish_reason": None, "stop_reason": None}  # fmt: skip
+        if self.body.return_token_ids:
+            first["token_ids"] = list(c.token_ids)
+        choices, finish_reason = [first], c.finish_reason
+        if self.reasoning is not None or self.tool_format is not None:
+            key = (index, c.index)
+            reply = self._replies.setdefault(key, AssistantStream(self.reasoning, self.tool_format))
+            part = reply.feed(c.text)
+            if c.finish_reason is not None:
+                rest = reply.finish()
+                part.reasoning, part.content = (
+                    part.reasoning + rest.reasoning,
+                    part.content + rest.content,
+                )
+                part.tool_calls += rest.tool_calls
+                if reply.num_calls:
+                    finish_reason = "tool_calls"
+            first["delta"] = {
+                k: v
+                for k, v in (("reasoning_content", part.reasoning), ("content", part.content))
+                if v
+            }
+            if not first["delta"] and entries is None and not self.body.return_token_ids:
+                choices = []  # all held back: no chunk
+            number = reply.num_calls - len(part.tool_calls)  # the index of the first new call
+            for i, call in enumerate(part.tool_calls):
+                header = {"index": number + i, "id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": ""}}  # fmt: skip
+                arguments = {
+                    "index": number + i,
+                    "function": {"arguments": call.function.arguments},
+                }
+                for delta in (header, arguments):
+                    choices.append({"index": choice_index, "delta": {"tool_calls": [delta]},
+                                    "logprobs": None, "finish_reason": None})  # fmt: skip
+        if finish_reason is not None:
+            if not choices:
+                choices = [{"index": choice_index, "delta": {}, "logprobs": None}]
+            choices[-1]["finish_reason"] = finish_reason
+            choices[-1]["stop_reason"] = c.stop_reason
+        return choices
 
     def _prompt_extras(self, output: RequestOutput) -> dict[str, Any]:
         """``prompt_logprobs`` and ``prompt_token_ids`` (vLLM's fields): null unless asked."""

@@ -14,6 +14,8 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 
+from cenote.assistant.reasoning import reasoning_format
+from cenote.assistant.tool_parsers import ToolCallFormat, tool_call_format
 from cenote.config import EngineConfig
 from cenote.engine.async_client import AsyncEngineClient
 from cenote.engine.client import run_async
@@ -58,6 +60,17 @@ class ServerOptions:
         1 << 22,
         "numbers in one response: token_embed tokens x size, prompt tokens x (prompt_logprobs "
         "+ 1) (more: 400)",
+    )
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = option(
+        "auto",
+        "how the model writes tool calls, parsed out of chat completions; auto: read from the "
+        "chat template (<tool_call>: hermes, [TOOL_CALLS]: mistral, <|python_tag|>: "
+        "llama3_json; none found: calls are not parsed)",
+    )
+    reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = option(
+        "none",
+        "split the model's <think>...</think> into reasoning_content (qwen3: when the output "
+        "opens with <think>; deepseek_r1: all until </think>, the template opens it)",
     )
     max_stop_strings: int = option(
         64, "stop strings, and stop token ids, in one generation request (more: 400)"
@@ -147,6 +160,8 @@ class ServerState:
                 ray_address=options.ray_address,
             )  # fmt: skip
         self.input_processor: InputProcessor | None = None  # set once the core is ready
+        self.tool_format: ToolCallFormat | None = None  # set with the input processor
+        self.reasoning_format = reasoning_format(options.reasoning_parser)
         self.on_engine_dead: Callable[[str], None] | None = None
         # CPU-bound work of a request runs here, never on the event loop
         self._blocking = ThreadPoolExecutor(options.blocking_threads, "cenote-front")
@@ -181,6 +196,8 @@ class ServerState:
             self.model_config, self.tokenizer, capabilities, self.options.chat_template,
             max_input_chars=self.options.max_input_chars,
         )  # fmt: skip
+        template = self.input_processor.chat_template
+        self.tool_format = tool_call_format(self.options.tool_call_parser, template)
 
     def _on_dead(self, reason: str) -> None:
         if self.on_engine_dead is not None:

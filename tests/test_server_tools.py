@@ -1,0 +1,264 @@
+"""Tool calling and reasoning through a real server on a tiny random decoder over a byte-level
+tokenizer, with a Hermes-style chat template (so the tool call format is found: hermes) and
+``--reasoning-parser qwen3``: tools rendered into the prompt, garbage output as plain content,
+forced calls (tool_choice required / named) whose arguments validate against the tool's
+schema, streamed and not, the 400s naming their field; and offline ``LLM.chat(tools=...)``."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from factories.decoders import make_byte_level_decoder
+from factories.generation import make_llm
+
+from cenote import SamplingParams
+from tests.server_fixture import ServerProcess
+
+TIMEOUT = 120
+TEMPLATE = (
+    "{% if tools %}# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    'Call a tool as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>\n{% endif %}'
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>\n{{ call.function | tojson }}\n</tool_call>"
+    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+# closed objects: a random model adds properties to an open one until max_tokens
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+         "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "description": "forecast",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "clock", "parameters": CLOCK}},
+]  # fmt: skip
+SCHEMAS = {"weather": WEATHER, "clock": CLOCK}
+USER = [{"role": "user", "content": "weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("byte-tools")
+    make_byte_level_decoder(folder, "qwen2", seed=3)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_folder):
+    server = ServerProcess(
+        str(model_folder), "--dtype", "float32", "--num-threads", "1", "--max-num-seqs", "4",
+        "--reasoning-parser", "qwen3",
+    )  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _chat(server, **fields) -> httpx.Response:
+    body = {"messages": USER, "temperature": 0, "max_tokens": 40, **fields}
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+
+
+def _stream(server, **fields) -> list[dict]:
+    response = _chat(server, stream=True, **fields)
+    assert response.status_code == 200, response.text
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def _joined(chunks: list[dict]) -> dict:
+    """The streamed choice 0 put together: content, reasoning, tool calls, finish reason."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            reasoning += delta.get("reasoning_content") or ""
+            for call in delta.get("tool_calls") or []:
+                if "id" in call:  # the first delta of a call names it
+                    assert call["index"] not in calls and call["type"] == "function"
+                    calls[call["index"]] = {"id": call["id"], "name": call["function"]["name"],
+                                            "arguments": ""}  # fmt: skip
+                calls[call["index"]]["arguments"] += call["function"]["arguments"]
+            finish = choice.get("finish_reason") or finish
+    return {"content": content or None, "reasoning": reasoning or None,
+            "calls": [calls[i] for i in sorted(calls)], "finish": finish}  # fmt: skip
+
+
+def _whole(response: httpx.Response) -> dict:
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    message = choice["message"]
+    calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for c in message.get("tool_calls") or []]  # fmt: skip
+    return {"content": message["content"], "reasoning": message.get("reasoning_content"),
+            "calls": calls, "finish": choice["finish_reason"]}  # fmt: skip
+
+
+def _without_ids(reply: dict) -> dict:
+    return {**reply, "calls": [{k: v for k, v in c.items() if k != "id"} for c in reply["calls"]]}
+
+
+def test_tools_and_tool_calls_are_rendered_into_the_prompt(server):
+    history = [*USER,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Oslo", "days": 2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    response = _chat(server, messages=history, tools=TOOLS, max_tokens=1, return_token_ids=True)
+    assert response.status_code == 200, response.text
+    ids = response.json()["prompt_token_ids"]
+    prompt = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert json.dumps(TOOLS[0]) in prompt and json.dumps(TOOLS[1]) in prompt
+    # the JSON-string arguments reach the template as an object
+    assert '{"name": "weather", "arguments": {"city": "Oslo", "days": 2}}' in prompt
+    assert "<tool>sunny" in prompt
+    plain = _chat(server, messages=history, max_tokens=1, return_token_ids=True).json()
+    assert (
+        "# Tools"
+        not in httpx.post(
+            f"{server.url}/detokenize", json={"tokens": plain["prompt_token_ids"]}
+        ).json()["prompt"]
+    )
+
+
+def test_auto_with_garbage_output_is_plain_content(server):
+    """Random weights write random bytes: no call, all content, streamed as whole."""
+    whole = _whole(_chat(server, tools=TOOLS))
+    assert whole["calls"] == [] and whole["finish"] in ("stop", "length")
+    assert whole["reasoning"] is None  # no <think>: qwen3 leaves it all content
+    plain = _whole(_chat(server, tools=TOOLS, tool_choice="none"))
+    assert plain["calls"] == []
+    assert _joined(_stream(server, tools=TOOLS)) == whole
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "clock"}}]
+)
+@pytest.mark.parametrize("seed", [None, 11])
+def test_forced_calls_validate_against_their_schema(server, tool_choice, seed):
+    """The grammar makes the random model call a tool, in the template's hermes format."""
+    fields = dict(tools=TOOLS, tool_choice=tool_choice, max_tokens=200)
+    if seed is not None:
+        fields.update(temperature=1.0, seed=seed)
+    whole = _whole(_chat(server, **fields))
+    assert whole["finish"] == "tool_calls" and whole["calls"], whole
+    for call in whole["calls"]:
+        assert call["id"].startswith("call_")
+        if isinstance(tool_choice, dict):
+            assert call["name"] == "clock"
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    streamed = _joined(_stream(server, **fields))
+    assert _without_ids(streamed) == _without_ids(whole)
+    assert len({c["id"] for c in streamed["calls"]}) == len(streamed["calls"])
+
+
+def test_parallel_tool_calls_false_gives_one_call(server):
+    for seed in (1, 2, 3):
+        whole = _whole(
+            _chat(server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=200, temperature=1.0, seed=seed)
+        )  # fmt: skip
+        assert len(whole["calls"]) == 1, whole
+
+
+def test_openai_client(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=TIMEOUT)
+    model = client.models.list().data[0].id
+    completion = client.chat.completions.create(
+        model=model, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=200,
+        temperature=0,
+    )  # fmt: skip
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    stream = client.chat.completions.create(
+        model=model, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=200,
+        temperature=0, stream=True,
+    )  # fmt: skip
+    names = [c.function.name for chunk in stream for d in [chunk.choices[0].delta]
+             for c in d.tool_calls or [] if c.function and c.function.name]  # fmt: skip
+    assert names == [c.function.name for c in choice.message.tool_calls]
+    auto = client.chat.completions.create(model=model, messages=USER, tools=TOOLS, max_tokens=8)
+    assert auto.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [(dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+      "tool_choice", "not in tools"),
+     (dict(tool_choice="required"), "tool_choice", "needs tools"),
+     (dict(tools=[TOOLS[0], TOOLS[0]]), "tools", "unique"),
+     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}]),
+      "tools", "tools.0.function.parameters: Input should be a valid dictionary"),
+     (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice", ""),
+     (dict(tools=TOOLS, functions=[{"name": "f"}]), "functions", "not both"),
+     (dict(functions=[{"name": "f"}, {"name": "f"}]), "functions", "unique"),
+     (dict(functions=[{"name": "f"}], function_call={"name": "g"}), "function_call",
+      "not in tools"),
+     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+      "tool_choice", "cannot be combined"),
+     (dict(messages=[{"role": "assistant", "tool_calls": [
+         {"type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]),
+      None, "not valid JSON")],
+)  # fmt: skip
+def test_bad_tool_requests_are_400_naming_the_field(server, fields, param, words):
+    response = _chat(server, **fields)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert words in error["message"]
+    if param is not None:
+        assert param in (error["param"] or ""), error
+
+
+def test_legacy_functions_map_to_tools(server):
+    functions = [t["function"] for t in TOOLS]
+    whole = _whole(
+        _chat(server, functions=functions, function_call={"name": "weather"}, max_tokens=200)
+    )
+    assert [c["name"] for c in whole["calls"]] == ["weather"]
+
+
+def test_template_without_tools_is_400(smollm2_server):
+    body = {"messages": USER, "tools": TOOLS, "max_tokens": 1}
+    response = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert "never reads 'tools'" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "tools"
+
+
+# ---- offline ---------------------------------------------------------------------------------
+
+
+def test_llm_chat_with_tools(model_folder):
+    llm = make_llm(model_folder)
+    params = SamplingParams(temperature=0, max_tokens=200)
+    forced = llm.chat(USER, params, tools=TOOLS, tool_choice="required")[0].outputs[0]
+    assert forced.tool_calls, forced.text
+    for call in forced.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    auto = llm.chat(USER, SamplingParams(temperature=0, max_tokens=8), tools=TOOLS)[0].outputs[0]
+    assert auto.tool_calls == []  # parsed, none found
+    plain = llm.chat(USER, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert plain.tool_calls is None and plain.reasoning_content is None
+    thinking = llm.chat(
+        USER, SamplingParams(temperature=0, max_tokens=8), reasoning_parser="deepseek_r1",
+        chat_template_kwargs={"enable_thinking": True},
+    )[0].outputs[0]  # fmt: skip
+    assert thinking.reasoning_content == plain.text  # no </think>: all thinking
