@@ -316,3 +316,26 @@ def test_template_renders_tools_and_tool_call_round_trips():
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]  # fmt: skip
     with pytest.raises(InvalidInputError, match="message 1: tool_calls\\[0\\].function.arguments"):
         render_chat(TEMPLATE, bad)
+
+
+def test_a_constraint_starts_after_a_one_token_end_of_thinking():
+    """With a reasoning format, the output constraint starts after ``</think>`` where the
+    vocabulary has it as one token (Qwen3, DeepSeek-R1); not with thinking turned off, nor
+    where the marker is only bytes (its tokens could never be told apart from text)."""
+    from tokenizers import Tokenizer, models
+
+    from cenote import SamplingParams, StructuredOutputsParams
+    from cenote.assistant.reasoning import REASONING_FORMATS, constrain_after_thinking
+
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    qwen3 = REASONING_FORMATS["qwen3"]
+    assert constrain_after_thinking(params, qwen3, tokenizer, None) is params  # one <unk>
+    tokenizer.add_special_tokens(["</think>"])
+    end_id = tokenizer.token_to_id("</think>")
+    after = constrain_after_thinking(params, qwen3, tokenizer, None)
+    assert after.structured_outputs is not None
+    assert after.structured_outputs.start_after_token_ids == [end_id]
+    off = constrain_after_thinking(params, qwen3, tokenizer, {"enable_thinking": False})
+    assert off is params
+    assert constrain_after_thinking(params, None, tokenizer, None) is params

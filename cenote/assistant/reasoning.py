@@ -3,10 +3,15 @@ before they answer, split from the answer whole or as the text streams."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from tokenizers import Tokenizer
 
 from cenote.assistant.markers import could_open, partial_marker
+from cenote.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,26 @@ class ReasoningStream:
                 return reasoning, ""
         content, self._buffer = self._buffer, ""
         return reasoning, content
+
+
+def constrain_after_thinking(
+    params: SamplingParams,
+    format: ReasoningFormat | None,
+    tokenizer: Tokenizer,
+    chat_template_kwargs: Mapping[str, Any] | None,
+) -> SamplingParams:
+    """``params`` whose output constraint starts after the thinking (the tokens of the end
+    marker), so a reasoning model thinks freely and its answer is constrained; unchanged
+    without a reasoning format, a constraint, a one-token end marker in the vocabulary, or with
+    thinking turned off in the template."""
+    constraint = params.structured_outputs
+    if format is None or constraint is None or constraint.start_after_token_ids is not None:
+        return params
+    if (chat_template_kwargs or {}).get("enable_thinking") is False:
+        return params
+    end = tokenizer.encode(format.end, add_special_tokens=False).ids
+    # reasoning models have the marker as one token; bytes of it (or an unknown token) are no end
+    if len(end) != 1 or tokenizer.decode(end, skip_special_tokens=False) != format.end:
+        return params
+    after = dataclasses.replace(constraint, start_after_token_ids=end)
+    return dataclasses.replace(params, structured_outputs=after)

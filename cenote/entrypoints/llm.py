@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, TypedDict, TypeVar, Unpack, cast
 
 from cenote.assistant.message import parse_assistant
-from cenote.assistant.reasoning import reasoning_format
+from cenote.assistant.reasoning import constrain_after_thinking, reasoning_format
 from cenote.assistant.tool_parsers import tool_call_format
 from cenote.assistant.tools import plan_tools
 from cenote.engine import scoring
@@ -279,8 +279,17 @@ class LLM:
             sampling_params = [plan.sampling_params(p) for p in each]
             if isinstance(given, SamplingParams):
                 sampling_params = sampling_params[0]
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         reasoning = reasoning_format(reasoning_parser)
+        if reasoning is not None:  # the constraint starts after the thinking
+            given = SamplingParams() if sampling_params is None else sampling_params
+            each = [given] if isinstance(given, SamplingParams) else list(given)
+            sampling_params = [
+                constrain_after_thinking(p, reasoning, self.tokenizer, chat_template_kwargs)
+                for p in each
+            ]
+            if isinstance(given, SamplingParams):
+                sampling_params = sampling_params[0]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         parsed_format = plan.format if plan is not None else None
         if reasoning is not None or parsed_format is not None:
             for completion in (c for output in outputs for c in output.outputs):

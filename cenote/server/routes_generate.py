@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from cenote.assistant.message import AssistantStream, parse_assistant
+from cenote.assistant.reasoning import constrain_after_thinking
 from cenote.assistant.tools import ToolPlan, plan_tools
 from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import UserOutput
@@ -60,6 +61,10 @@ def _job(state: ServerState, body: CompletionRequest | ChatCompletionRequest) ->
     params = body.to_sampling_params(_logit_bias(state, body.logit_bias), kind)
     if plan is not None:  # a forced call's grammar; the format's special tokens kept
         params = plan.sampling_params(params)
+    if isinstance(body, ChatCompletionRequest):  # a reasoning model's answer is constrained
+        params = constrain_after_thinking(
+            params, state.reasoning_format, processor.tokenizer, body.chat_template_kwargs
+        )
     if params.max_tokens is not None:  # before tokenizing, when the body says it
         _check_generated_tokens(state, len(prompts) * params.n * params.max_tokens)
     prefix = "chatcmpl" if chat else "cmpl"
