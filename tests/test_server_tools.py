@@ -199,6 +199,21 @@ def test_openai_client(server):
     assert auto.choices[0].message.tool_calls is None
 
 
+def test_langchain_bind_tools(server):
+    """LangChain's ``ChatOpenAI(...).bind_tools(tools, tool_choice=...)``, unmodified: the forced
+    call comes back as an ``AIMessage.tool_calls`` entry with arguments valid for its schema."""
+    from langchain_openai import ChatOpenAI
+
+    model = httpx.get(f"{server.url}/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
+    chat = ChatOpenAI(
+        base_url=f"{server.url}/v1", api_key="none", model=model, temperature=0,
+        max_tokens=200, timeout=TIMEOUT,
+    )  # fmt: skip
+    message = chat.bind_tools(TOOLS, tool_choice="weather").invoke(USER[0]["content"])
+    assert [call["name"] for call in message.tool_calls] == ["weather"]
+    jsonschema.validate(message.tool_calls[0]["args"], WEATHER)
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "words"),
     [(dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
