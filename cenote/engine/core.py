@@ -154,13 +154,13 @@ class EngineCore:
             arrival_time=request.arrival_time,
             priority=request.priority,
         )
+        if request.request_id in self._compiling:  # the scheduler checks its own requests
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
         params = request.sampling_params
         if params is None or params.structured_outputs is None:
-            if request.request_id in self._compiling:
-                raise ValueError(f"request id {request.request_id!r} is already in the engine")
             self.scheduler.add_request(core_request)
             return
-        if request.request_id in self._compiling or request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         core_request.grammar = self._grammar_compiler().submit(params.structured_outputs)
         self._compiling[request.request_id] = core_request

@@ -273,22 +273,21 @@ class LLM:
             )
             for conversation in conversations
         ]
-        if plan is not None:  # the forcing grammar, the format's special tokens
-            given = SamplingParams() if sampling_params is None else sampling_params
-            each = [given] if isinstance(given, SamplingParams) else list(given)
-            sampling_params = [plan.sampling_params(p) for p in each]
-            if isinstance(given, SamplingParams):
-                sampling_params = sampling_params[0]
         reasoning = reasoning_format(reasoning_parser)
-        if reasoning is not None:  # the constraint starts after the thinking
+        if plan is not None or reasoning is not None:
+
+            def adjust(params: SamplingParams) -> SamplingParams:
+                # the forcing grammar and the format's special tokens; then the constraint
+                # starts after the thinking
+                params = plan.sampling_params(params) if plan is not None else params
+                return constrain_after_thinking(
+                    params, reasoning, self.tokenizer, chat_template_kwargs
+                )
+
             given = SamplingParams() if sampling_params is None else sampling_params
-            each = [given] if isinstance(given, SamplingParams) else list(given)
-            sampling_params = [
-                constrain_after_thinking(p, reasoning, self.tokenizer, chat_template_kwargs)
-                for p in each
-            ]
-            if isinstance(given, SamplingParams):
-                sampling_params = sampling_params[0]
+            sampling_params = (
+                adjust(given) if isinstance(given, SamplingParams) else [adjust(p) for p in given]
+            )
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         parsed_format = plan.format if plan is not None else None
         if reasoning is not None or parsed_format is not None:
