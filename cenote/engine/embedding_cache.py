@@ -60,6 +60,8 @@ def parse_cache_size(text: str) -> CacheSize:
     """``10000`` -> 10000 entries; ``512MiB`` / ``2GB`` -> bytes (binary units, as
     ``parse_bytes``); ``0`` -> off."""
     value = text.strip()
+    if value.startswith("-"):
+        raise argparse.ArgumentTypeError(f"a cache size is 0 (off) or more, got {text!r}")
     if re.fullmatch(r"\d+", value):
         return CacheSize(max_entries=int(value))
     if re.fullmatch(r"\d+\s*[KMGT]?i?B|\d+\s*[KMGT]", value, re.IGNORECASE):
