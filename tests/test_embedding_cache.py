@@ -267,3 +267,12 @@ def test_a_cached_bf16_embedding_is_within_the_bf16_bound(minilm_path) -> None:
     assert torch.equal(hit, alone)
     cosine = torch.nn.functional.cosine_similarity(hit, recomputed, dim=0)
     assert cosine >= 0.999, f"bf16 cached vs recomputed: cosine {cosine:.5f}"
+
+
+def test_score_inputs_are_cached_like_embeddings(cache_server) -> None:
+    body = {"text_1": TEXTS[0], "text_2": [TEXTS[1], "An uncached document."]}
+    hits = _metric(cache_server.url, "cenote_embedding_cache_hits_total")
+    first = httpx.post(f"{cache_server.url}/score", json=body, timeout=60).json()
+    second = httpx.post(f"{cache_server.url}/score", json=body, timeout=60).json()
+    assert [d["score"] for d in first["data"]] == [d["score"] for d in second["data"]]
+    assert _metric(cache_server.url, "cenote_embedding_cache_hits_total") - hits >= 3
