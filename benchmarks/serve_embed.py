@@ -1,10 +1,13 @@
 """Served vs offline embedding throughput: ``cenote serve`` (default model) under an async client.
 
     python benchmarks/serve_embed.py [--requests 256] [--concurrency 1 16 64] [--dtype auto]
+        [--repeat-share 0.3] [--embedding-cache-size 10000] [--no-offline]
 
-Starts its own server, sends 1-8 sentences per request at each concurrency, prints requests/s,
+Starts its own server, sends 1-8 sentences per request at each concurrency (new sentences for
+each concurrency, so one run's inputs are no cache hits in the next; ``--repeat-share``: that
+share of requests, seeded, repeats an earlier request of the same run), prints requests/s,
 sentences/s, p50/p99 latency, the in-process ``LLM.embed`` throughput on the same sentences (the
-ceiling) and the ratio served/offline.
+ceiling) and the ratio served/offline, and the server's embedding cache hits and misses.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import statistics
 import sys
 import time
@@ -28,12 +32,29 @@ _WORDS = (
 ).split()
 
 
-def make_batches(num_requests: int, seed: int = 0) -> list[list[str]]:
+def make_batches(num_requests: int, seed: int = 0, repeat_share: float = 0.0) -> list[list[str]]:
+    """``repeat_share`` of the requests (after the first) repeat an earlier one's sentences."""
     rng = random.Random(seed)
-    return [
-        [" ".join(rng.choices(_WORDS, k=rng.randint(6, 24))) for _ in range(rng.randint(1, 8))]
-        for _ in range(num_requests)
-    ]
+    batches: list[list[str]] = []
+    for _ in range(num_requests):
+        if batches and rng.random() < repeat_share:
+            batches.append(list(rng.choice(batches)))
+            continue
+        size = rng.randint(1, 8)
+        batches.append([" ".join(rng.choices(_WORDS, k=rng.randint(6, 24))) for _ in range(size)])
+    return batches
+
+
+def cache_counts(url: str) -> str:
+    """The server's embedding cache hits and misses so far (``/metrics``)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    counts = {}
+    for name in ("hits", "misses"):
+        match = re.search(rf"^cenote_embedding_cache_{name}_total{{[^}}]*}} (\S+)$", text, re.M)
+        counts[name] = int(float(match.group(1))) if match else 0
+    return f"embedding cache: {counts['hits']} hits, {counts['misses']} misses"
 
 
 class _Connection:
@@ -120,21 +141,40 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--repeat-share", type=float, default=0.0)
+    parser.add_argument("--embedding-cache-size", default="0")
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline ceiling")
     args = parser.parse_args()
-    batches = make_batches(args.requests)
-    server = ServerProcess("--dtype", args.dtype)
+    from cenote.kernels import cpu_features, cpu_model
+
+    print(f"CPU: {cpu_model()}; features: {' '.join(cpu_features())}")
+    runs = {
+        c: make_batches(args.requests, seed, args.repeat_share)
+        for seed, c in enumerate(args.concurrency, start=1)
+    }
+    server = ServerProcess(
+        "--dtype", args.dtype, "--embedding-cache-size", args.embedding_cache_size
+    )  # fmt: skip
     try:
-        asyncio.run(run_load(server.url, batches[:16], 4))  # warm-up
-        results = {c: asyncio.run(run_load(server.url, batches, c)) for c in args.concurrency}
+        asyncio.run(run_load(server.url, make_batches(16, seed=0), 4))  # warm-up
+        results = {c: asyncio.run(run_load(server.url, runs[c], c)) for c in args.concurrency}
+        counts = cache_counts(server.url)
     finally:
         server.stop()
-    ceiling = offline_throughput(batches, args.dtype)
-    print(f"offline LLM.embed: {ceiling:.1f} sentences/s ({args.dtype})")
+    batches = runs[args.concurrency[0]]
+    ceiling = None if args.no_offline else offline_throughput(batches, args.dtype)
+    print(
+        f"repeat share {args.repeat_share}, --embedding-cache-size {args.embedding_cache_size}; "
+        + counts
+    )
+    if ceiling is not None:
+        print(f"offline LLM.embed: {ceiling:.1f} sentences/s ({args.dtype})")
     print(f"{'conc':>5} {'req/s':>8} {'sent/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>6}")
     for concurrency, r in results.items():
+        ratio = f"{r['sentences_per_s'] / ceiling:>6.2f}" if ceiling is not None else f"{'-':>6}"
         print(
             f"{concurrency:>5} {r['requests_per_s']:>8.1f} {r['sentences_per_s']:>8.1f} "
-            f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['sentences_per_s'] / ceiling:>6.2f}"
+            f"{r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {ratio}"
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from cenote.engine.embedding_cache import EmbeddingCache
 from cenote.messages import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -25,6 +26,7 @@ class ServerMetrics:
                 name, documentation, ["model_name"], buckets=buckets, registry=r
             ).labels(model_name)
 
+        self._evictions_seen = 0  # the cache's eviction count at the last record_cache
         self.requests = Counter(
             "cenote_http_requests", "HTTP requests by endpoint and status",
             ["endpoint", "status"], registry=r,
@@ -54,6 +56,20 @@ class ServerMetrics:
             _LATENCY_BUCKETS,
         )  # fmt: skip
 
+        self.cache_hits = counter(
+            "cenote_embedding_cache_hits", "Pooling inputs answered without computing them"
+        )
+        self.cache_misses = counter(
+            "cenote_embedding_cache_misses", "Cacheable pooling inputs computed by the engine"
+        )
+        self.cache_evictions = counter(
+            "cenote_embedding_cache_evictions", "Embedding cache entries evicted (LRU)"
+        )
+        self.cache_entries = gauge("cenote_embedding_cache_entries", "Embedding cache entries")
+        self.cache_bytes = gauge(
+            "cenote_embedding_cache_bytes", "Embedding cache size: results, keys, overhead"
+        )
+
     def record_step(self, stats: SchedulerStats | None, queue_times: list[float]) -> None:
         """Called by the engine client for every message from the core."""
         if stats is not None:
@@ -64,6 +80,14 @@ class ServerMetrics:
                 self.scheduled_tokens.observe(stats.num_scheduled_tokens)
         for seconds in queue_times:
             self.queue_time.observe(max(seconds, 0.0))
+
+    def record_cache(self, num_hits: int, num_misses: int, cache: EmbeddingCache) -> None:
+        self.cache_hits.inc(num_hits)
+        self.cache_misses.inc(num_misses)
+        self.cache_evictions.inc(cache.num_evictions - self._evictions_seen)
+        self._evictions_seen = cache.num_evictions
+        self.cache_entries.set(len(cache))
+        self.cache_bytes.set(cache.num_bytes)
 
     def record_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

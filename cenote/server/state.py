@@ -20,6 +20,7 @@ from cenote.config import EngineConfig
 from cenote.engine.async_client import AsyncEngineClient
 from cenote.engine.client import run_async
 from cenote.engine.dp_client import DataParallelEngineClient
+from cenote.engine.embedding_cache import CacheSize, EmbeddingCache, parse_cache_size
 from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import outputs_of
 from cenote.engine_args import option
@@ -131,6 +132,14 @@ class ServerOptions:
         "open connections (idle too) from one client address; more are answered 503 and "
         "closed at once (behind a load balancer, all come from its address)",
     )
+    embedding_cache_size: CacheSize = option(
+        CacheSize(),
+        "an exact cache of pooling results (embeddings, classification and score outputs; "
+        "not token-level ones) in the front: a number of entries (10000) or bytes (512MiB, "
+        "2GB); a repeated input is answered without the engine",
+        shown="0 (off)",
+        parse=parse_cache_size,
+    )
     # not command-line options
     engine_dead_exit_delay_s: float = 2.0  # keep answering 503 this long before exiting
     blocking_threads: int = 2  # threads for tokenization, chat templates and big JSON bodies
@@ -160,6 +169,9 @@ class ServerState:
                 ray_address=options.ray_address,
             )  # fmt: skip
         self.input_processor: InputProcessor | None = None  # set once the core is ready
+        size = options.embedding_cache_size
+        # in the front: a hit takes no IPC, no scheduler slot, and serves every data-parallel core
+        self.embedding_cache = EmbeddingCache(size, self.model_name) if size.enabled else None
         self.tool_format: ToolCallFormat | None = None  # set with the input processor
         self.reasoning_format = reasoning_format(options.reasoning_parser)
         self.on_engine_dead: Callable[[str], None] | None = None
@@ -265,9 +277,17 @@ class ServerState:
     # ---- running ------------------------------------------------------------------------------
 
     async def run_pooling(self, requests: list[ParentRequest]) -> list[PoolingRequestOutput[Any]]:
-        """Run pooling requests in the core, in order; records latency and prompt tokens."""
+        """Run pooling requests in the core (those the embedding cache does not answer), in
+        order; records latency and prompt tokens (cached ones too, as ``usage`` counts them)."""
         started = time.monotonic()
-        outputs = outputs_of(PoolingRequestOutput, await run_async(self.client, requests))
+        cache = self.embedding_cache
+        if cache is None:
+            outputs = outputs_of(PoolingRequestOutput, await run_async(self.client, requests))
+        else:
+            lookup = cache.lookup(requests)
+            computed = await run_async(self.client, lookup.misses) if lookup.misses else []
+            outputs = cache.complete(lookup, outputs_of(PoolingRequestOutput, computed))
+            self.metrics.record_cache(lookup.num_hits, lookup.num_misses, cache)
         elapsed = time.monotonic() - started
         self.metrics.ttft.observe(elapsed)
         self.metrics.e2e.observe(elapsed)
