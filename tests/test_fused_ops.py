@@ -280,3 +280,20 @@ def test_linear_add_norm_sums_in_the_norm_only_where_chosen(monkeypatch):
             out = linear_add_norm(layer, x, residual.clone(), norm)
         assert len(calls) == int(in_norm)
         torch.testing.assert_close(out.double(), reference, rtol=2**-6, atol=2**-6)
+
+
+def test_apply_token_bitmask_refuses_bad_input():
+    """Wrong dtypes, shapes and rows outside the logits are errors naming them, not writes
+    outside the tensor (its results are tested in test_structured_outputs.py)."""
+    logits, words = torch.zeros(2, 64), torch.zeros(1, 2, dtype=torch.int32)
+    rows = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="fp32"):
+        quant_ops().apply_token_bitmask_(logits.double(), rows, words)
+    with pytest.raises(RuntimeError, match="int64"):
+        quant_ops().apply_token_bitmask_(logits, rows.int(), words)
+    with pytest.raises(RuntimeError, match="int32"):
+        quant_ops().apply_token_bitmask_(logits, torch.tensor([0, 1]), words)
+    with pytest.raises(RuntimeError, match="row 2 outside"):
+        quant_ops().apply_token_bitmask_(logits, torch.tensor([2]), words)
+    assert quant_ops().apply_token_bitmask_(logits, rows, words).tolist() == [False]
+    assert torch.isneginf(logits[0]).all() and not logits[1].any()

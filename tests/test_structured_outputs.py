@@ -236,16 +236,27 @@ def test_the_constraint_can_start_after_given_tokens(llm):
         StructuredOutputsParams(regex="a", start_after_token_ids=[])
 
 
+@pytest.mark.parametrize("implementation", ["numpy", "kernel"])
 @pytest.mark.parametrize("vocab_size", [320, 331, 300, 400])
-def test_masking_by_bitmask_words_equals_the_unpacked_mask(vocab_size):
+def test_masking_by_bitmask_words_equals_the_unpacked_mask(vocab_size, implementation):
     """``apply_allowed_tokens`` (empty / full / mixed 32-token words, a partial last word,
-    logits wider or narrower than the bitmask) against numpy's unpacked bits; a row that the
-    other masks left empty takes the grammar's mask over its unmasked logits."""
+    logits wider or narrower than the bitmask), in numpy and on the C++ kernel, against numpy's
+    unpacked bits; a row that the other masks left empty takes the grammar's mask over its
+    unmasked logits; a NaN or +inf allowed logit does not count as a kept one."""
     import numpy as np
     import torch
 
+    from cenote.kernels import quant_ops
     from cenote.sampling.metadata import AllowedTokens
-    from cenote.sampling.sampler import apply_allowed_tokens
+    from cenote.sampling.sampler import (
+        apply_allowed_tokens,
+        kernel_mask_allowed,
+        numpy_mask_allowed,
+    )
+
+    if implementation == "kernel" and quant_ops() is None:
+        pytest.skip("C++ kernels not buildable")
+    mask = numpy_mask_allowed if implementation == "numpy" else kernel_mask_allowed()
 
     rng = np.random.default_rng(vocab_size)
     num_words = 10  # 320 tokens of bitmask
@@ -255,8 +266,10 @@ def test_masking_by_bitmask_words_equals_the_unpacked_mask(vocab_size):
     source = torch.randn(5, vocab_size)
     logits = source.clone()
     logits[3] = float("-inf")  # row 3: the other masks banned every token
+    logits[4] = float("nan")  # row 4: nothing finite left either (NaN, +inf)
+    logits[4, 1] = float("inf")
     rows = [0, 1, 3, 4]
-    apply_allowed_tokens(logits, AllowedTokens(rows, torch.from_numpy(words)), source)
+    apply_allowed_tokens(logits, AllowedTokens(rows, torch.from_numpy(words)), source, mask)
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").astype(bool)
     for i, row in enumerate(rows):
         allowed = np.zeros(vocab_size, dtype=bool)

@@ -117,6 +117,14 @@ class QuantOps(Protocol):
         maximum), int64 ``[rows]``."""
         ...
 
+    def apply_token_bitmask_(
+        self, logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor, /
+    ) -> torch.Tensor:
+        """``-inf`` on ``logits[rows[i], t]`` (fp32 ``[R, V]``, in place) where bit ``t % 32`` of
+        ``words[i, t // 32]`` (int32 ``[k, W]``) is 0 or ``t >= 32 W``; bool ``[k]``: whether
+        each row kept a finite logit."""
+        ...
+
     def layer_norm_(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, /
     ) -> None:

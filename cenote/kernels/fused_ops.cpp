@@ -9,6 +9,9 @@
 //   silu_and_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]
 //   rotary_(qk [T, H * D], cos [T, D], sin [T, D]): x * cos + rotate_half(x) * sin, in place
 //   argmax_rows(x [R, V] fp32) -> [R] int64: torch.argmax(x, -1) (the sampler's choice)
+//   apply_token_bitmask_(logits [R, V] fp32, rows [k] int64, words [k, W] int32) -> [k] bool:
+//       -inf on logits[rows[i], t] where bit t % 32 of words[i, t / 32] is 0 (and t >= 32 W),
+//       in place; true where the row kept a finite value (structured outputs' masks)
 //   layer_norm_(x [T, D] bf16, weight [D], bias [D], eps): torch's LayerNorm, in place
 //   add_layer_norm_(x, residual?, weight, bias, eps): x = LayerNorm(x + residual), the sum in fp32
 
@@ -19,11 +22,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "bf16_bits.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -342,6 +346,85 @@ at::Tensor argmax_rows(const at::Tensor& x) {
     for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * stride, n);
   });
   return out;
+}
+
+// One 32-token block of apply_token_bitmask_ whose word is neither 0 nor all ones: -inf where
+// its bit is 0; whether an allowed logit is finite (v - v == 0 exactly for finite v).
+static inline bool mask_block(float* block, uint32_t word) {
+#if defined(__AVX2__)
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 finite = _mm256_setzero_ps();
+  for (int g = 0; g < 4; ++g) {
+    const __m256i bits = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(word >> (8 * g))),
+                                          lane_bits);
+    const __m256 allowed = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bits, lane_bits));
+    const __m256 v = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(block + 8 * g), allowed);
+    _mm256_storeu_ps(block + 8 * g, v);
+    finite = _mm256_or_ps(
+        finite, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_EQ_OQ));
+  }
+  return _mm256_movemask_ps(finite) != 0;
+#else
+  bool any = false;
+  for (int j = 0; j < 32; ++j) {
+    const bool allowed = (word >> j) & 1u;
+    if (!allowed) block[j] = -std::numeric_limits<float>::infinity();
+    any |= allowed && std::isfinite(block[j]);
+  }
+  return any;
+#endif
+}
+
+// One row of apply_token_bitmask_: whether it kept a finite logit.
+static bool mask_row(float* row, int64_t vocab, const uint32_t* words, int64_t num_words) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t num_full = std::min(vocab / 32, num_words);
+  bool kept = false;
+  for (int64_t b = 0; b < num_full; ++b) {
+    const uint32_t word = words[b];
+    float* block = row + 32 * b;
+    if (word == 0) {  // the common case inside a constrained step: a block refused whole
+      std::fill(block, block + 32, neg_inf);
+    } else if (word == 0xFFFFFFFFu && kept) {  // a block allowed whole, once one is kept
+      continue;
+    } else {
+      kept |= mask_block(block, word);
+    }
+  }
+  for (int64_t t = num_full * 32; t < vocab; ++t) {  // a last partial word, then unknown ids
+    const int64_t b = t / 32;
+    const bool allowed = b < num_words && ((words[b] >> (t % 32)) & 1u);
+    if (!allowed) row[t] = neg_inf;
+    kept |= allowed && std::isfinite(row[t]);
+  }
+  return kept;
+}
+
+at::Tensor apply_token_bitmask_(at::Tensor logits, const at::Tensor& rows, const at::Tensor& words) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logits must be fp32 [rows, vocab] with contiguous rows");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "rows must be contiguous int64 [k]");
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.is_contiguous() &&
+                  words.size(0) == rows.size(0),
+              "words must be contiguous int32 [", rows.size(0), ", W]");
+  const int64_t k = rows.size(0), vocab = logits.size(1), num_words = words.size(1);
+  const int64_t stride = logits.stride(0), num_rows = logits.size(0);
+  const int64_t* rp = rows.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < k; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < num_rows, "row ", rp[i], " outside [0, ", num_rows, ")");
+  }
+  at::Tensor kept = at::empty({k}, rows.options().dtype(at::kBool));
+  bool* kp = kept.mutable_data_ptr<bool>();
+  float* lp = logits.mutable_data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint32_t*>(words.const_data_ptr<int32_t>());
+  at::parallel_for(0, k, 4, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      kp[i] = mask_row(lp + rp[i] * stride, vocab, wp + i * num_words, num_words);
+    }
+  });
+  return kept;
 }
 
 // x = LayerNorm(x) * weight + bias in place, bf16 rows (weight, bias: bf16 [dim], as the

@@ -892,6 +892,7 @@ void add_rms_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_t width);
 at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor apply_token_bitmask_(at::Tensor logits, const at::Tensor& rows, const at::Tensor& words);
 void layer_norm_(at::Tensor x, const at::Tensor& weight, const at::Tensor& bias, double eps);
 void add_layer_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
                      const at::Tensor& weight, const at::Tensor& bias, double eps);
@@ -913,6 +914,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k heads, in place");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of fp32 rows");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, "-inf where a row's token bitmask is 0");
   m.def("layer_norm_", &layer_norm_, "LayerNorm of bf16 rows in place, statistics in fp32");
   m.def("add_layer_norm_", &add_layer_norm_, "x = LayerNorm(x + residual) of bf16 rows in place");
   m.def("int8_supported", &int8_supported, "whether the int8 micro-kernels work here");
