@@ -64,6 +64,9 @@ def test_dimensions_on_a_model_that_is_not_matryoshka(llm_fp32) -> None:
     with pytest.raises(ValueError, match=r"matryoshka.*384"):
         llm_fp32.embed("hello", PoolingParams(dimensions=32))
     _assert_idle(llm_fp32)
+    # the full size cuts nothing: accepted (and the same vector as without it)
+    full = llm_fp32.embed("hello", PoolingParams(dimensions=384))[0].outputs.embedding
+    assert full == llm_fp32.embed("hello")[0].outputs.embedding
 
 
 def test_dimensions_out_of_range_on_a_matryoshka_model(llm_fp32) -> None:

@@ -276,3 +276,12 @@ def test_version():
         [sys.executable, "-m", "cenote", "--version"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and done.stdout.strip() == f"cenote {cenote.__version__}"
+
+
+def test_dimensions_of_the_full_size_are_accepted_on_any_model(http):
+    """Clients (vector-store integrations) send ``dimensions`` always: the model's own size
+    cuts nothing and is no matryoshka request; a real cut keeps its 400 (test_bad_inputs)."""
+    plain = http.post("/v1/embeddings", json={"input": SENTENCES[:2]}).json()
+    sized = http.post("/v1/embeddings", json={"input": SENTENCES[:2], "dimensions": 384})
+    assert sized.status_code == 200, sized.text
+    assert [d["embedding"] for d in sized.json()["data"]] == [d["embedding"] for d in plain["data"]]

@@ -49,19 +49,22 @@ class ParamsValidator:
         if params.dimensions is not None:
             if params.task not in ("embed", "token_embed"):
                 raise InvalidInputError(f"dimensions applies to embeddings, not to {params.task!r}")
-            if not caps.is_matryoshka:
+            if params.dimensions == caps.embedding_size:
+                pass  # the full size cuts nothing: accepted on any model (clients send it always)
+            elif not caps.is_matryoshka:
                 raise InvalidInputError(
                     f"model {self.model_config.served_model_name} does not support matryoshka "
                     f"dimensions (its embedding size is {caps.embedding_size}); pass "
                     "hf_overrides={'is_matryoshka': True} if you know it does"
                 )
-            if not 1 <= params.dimensions <= (caps.embedding_size or 0):
+            elif not 1 <= params.dimensions <= (caps.embedding_size or 0):
                 raise InvalidInputError(
                     f"dimensions must be between 1 and {caps.embedding_size} (the model's "
                     f"embedding size), got {params.dimensions}"
                 )
-            allowed = self.model_config.hf_config.get("matryoshka_dimensions")
-            if allowed and params.dimensions not in allowed:
+            elif (allowed := self.model_config.hf_config.get("matryoshka_dimensions")) and (
+                params.dimensions not in allowed
+            ):
                 raise InvalidInputError(
                     f"dimensions must be one of the model's matryoshka_dimensions {allowed}, "
                     f"got {params.dimensions}"
