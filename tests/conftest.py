@@ -48,6 +48,20 @@ def st_embeddings(st_model) -> torch.Tensor:
     return st_model.encode(PARITY_TEXTS, batch_size=32, convert_to_tensor=True).float()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked ``stops_module_server`` (it SIGTERMs its module's shared server) runs after
+    every other test of its module, wherever it is written: a test added below it would find the
+    server gone (connection refused)."""
+    stops = [item for item in items if item.get_closest_marker("stops_module_server")]
+    for item in stops:
+        items.remove(item)
+        module = item.module
+        last = max(
+            (i for i, other in enumerate(items) if other.module is module), default=len(items) - 1
+        )
+        items.insert(last + 1, item)
+
+
 # ---- servers shared by every test module (one start-up each per session) ---------------------
 
 

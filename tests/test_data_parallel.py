@@ -54,8 +54,9 @@ def test_two_cores_answer_as_the_offline_engine_does(dp_server, llm_fp32):
     assert health["status"] == "ok"
 
 
+@pytest.mark.stops_module_server
 def test_one_core_dying_fails_only_its_requests(dp_server, llm_fp32):
-    """Last test of the module: it kills a core of the shared server."""
+    """Runs last in the module (conftest): it kills a core of the shared server."""
     expected = {t: o.outputs.data for t, o in zip(TEXTS, llm_fp32.embed(TEXTS), strict=True)}
 
     async def run() -> list[list[float] | int]:
