@@ -171,8 +171,9 @@ def test_disconnecting_client_is_aborted(server, http):
     assert http.post("/v1/embeddings", json={"input": "still alive"}).status_code == 200
 
 
+@pytest.mark.stops_module_server
 def test_sigterm_drains_in_flight_requests(server):
-    """Last test of the module: it stops the shared server."""
+    """Runs last in the module (conftest): it stops the shared server."""
     body = {"input": [LONG_TEXT] * 64, "truncate_prompt_tokens": -1}
     result = {}
 
@@ -285,3 +286,46 @@ def test_dimensions_of_the_full_size_are_accepted_on_any_model(http):
     sized = http.post("/v1/embeddings", json={"input": SENTENCES[:2], "dimensions": 384})
     assert sized.status_code == 200, sized.text
     assert [d["embedding"] for d in sized.json()["data"]] == [d["embedding"] for d in plain["data"]]
+
+
+@pytest.mark.parametrize("precision", ["int8", "uint8", "binary", "ubinary"])
+def test_quantized_embeddings_are_sentence_transformers_quantize_embeddings(http, precision):
+    """encoding_format int8 / uint8 / binary / ubinary: exactly sentence-transformers'
+    ``quantize_embeddings`` of the float embeddings (int8 / uint8 with the request's own ranges,
+    as its ``encode(precision=)``, and with given ``quantization_ranges``)."""
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    floats = http.post("/v1/embeddings", json={"input": SENTENCES}).json()
+    vectors = np.array([d["embedding"] for d in floats["data"]], dtype=np.float32)
+    got = http.post("/v1/embeddings", json={"input": SENTENCES, "encoding_format": precision})
+    assert got.status_code == 200, got.text
+    expected = quantize_embeddings(vectors, precision=precision)
+    assert [d["embedding"] for d in got.json()["data"]] == expected.tolist()
+    assert got.json()["usage"] == floats["usage"]
+    if precision in ("int8", "uint8"):
+        ranges = np.stack([np.full(384, -0.2), np.full(384, 0.2)]).astype(np.float32)
+        body = {"input": SENTENCES[:1], "encoding_format": precision,
+                "quantization_ranges": ranges.tolist()}  # fmt: skip
+        one = http.post("/v1/embeddings", json=body).json()["data"][0]["embedding"]
+        assert one == quantize_embeddings(vectors[:1], precision, ranges=ranges).tolist()[0]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"input": "a", "encoding_format": "int8"}, "at least 2 inputs to take the ranges"),
+        ({"input": ["a", "b"], "encoding_format": "uint8", "quantization_ranges": [[0.0] * 3]},
+         "must be [[min] * 384, [max] * 384] (the embedding size); got 1 rows of [3]"),
+        ({"input": "a", "encoding_format": "binary", "quantization_ranges": [[0.0], [1.0]]},
+         "applies to encoding_format 'int8' or 'uint8', not 'binary'"),
+        ({"input": "a", "quantization_ranges": [[0.0], [1.0]]}, "not 'float'"),
+        ({"input": "a", "encoding_format": "binary", "embed_dtype": "float16"}, "embed_dtype"),
+        ({"input": "a", "encoding_format": "ubinary", "sparse": True}, "not sparse ones"),
+    ],
+)  # fmt: skip
+def test_quantized_embeddings_bad_input(http, body, message):
+    response = http.post("/v1/embeddings", json=body)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+    pooled = http.post("/pooling", json={"input": "a", "encoding_format": "int8"})
+    assert pooled.status_code == 400 and "/v1/embeddings" in pooled.json()["error"]["message"]

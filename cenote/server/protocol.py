@@ -150,7 +150,11 @@ class _PoolingBody(_ChatInput):
     model: str | None = None
     input: PromptInput | None = None  # one or many texts or token-id lists
     messages: ChatMessages | None = None  # chat-style input, rendered by the template
-    encoding_format: Literal["float", "base64", "bytes"] = "float"  # bytes: raw body + header
+    # bytes: raw body + header; int8 / uint8 / binary / ubinary (/v1/embeddings only):
+    # sentence-transformers' quantize_embeddings
+    encoding_format: Literal["float", "base64", "bytes", "int8", "uint8", "binary", "ubinary"] = (
+        "float"
+    )
     embed_dtype: EmbedDType = "float32"  # element type of base64 / bytes output
     endianness: Endianness = "native"  # byte order of base64 / bytes output
     dimensions: PositiveCount | None = None  # matryoshka truncation
@@ -193,6 +197,9 @@ class EmbeddingRequest(_PoolingBody):
 
     # cenote extension: sparse (SPLADE) models answer {"indices": [...], "values": [...]}
     sparse: bool = False
+    # int8 / uint8 encoding_format: per-dimension [[min, ...], [max, ...]] (sentence-transformers'
+    # ``ranges``); without them the request's own inputs give them, as its encode(precision=) does
+    quantization_ranges: list[list[float]] | None = None
 
 
 class PoolingRequest(_PoolingBody):

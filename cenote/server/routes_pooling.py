@@ -9,12 +9,14 @@ import time
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from cenote.engine.input_processor import ParentRequest
 from cenote.outputs import PoolingRequestOutput
+from cenote.pooling.quantize import Precision, quantize_embeddings
 from cenote.pooling_params import PoolingParams
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest
@@ -35,17 +37,91 @@ _EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 @with_cancellation
 async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
+    if body.encoding_format in QUANTIZED:
+        return await quantized_embeddings(state, body)
     if body.sparse:  # cenote extension: sparse embeddings (routes_sparse.py)
         from cenote.server.routes_sparse import sparse_embeddings
 
         return await sparse_embeddings(state, body)
+    if body.quantization_ranges is not None:
+        raise BadRequest(
+            "quantization_ranges applies to encoding_format 'int8' or 'uint8', not "
+            f"{body.encoding_format!r}",
+            param="quantization_ranges",
+        )
     outputs, request_id = await pool(state, body, "embed", "embd")
     return await respond(state, request_id, outputs, body, "embedding")
+
+
+QUANTIZED: dict[str, Precision] = {"int8": "int8", "uint8": "uint8", "binary": "binary",
+                                   "ubinary": "ubinary"}  # fmt: skip
+
+
+async def quantized_embeddings(state: ServerState, body: EmbeddingRequest) -> Response:
+    """``encoding_format`` int8 / uint8 / binary / ubinary: the embeddings as
+    sentence-transformers' ``quantize_embeddings`` gives them (lists of integers; binary ones
+    packed 8 dimensions to a byte). int8 / uint8 take ``quantization_ranges`` or, without them,
+    the ranges of the request's own inputs (so at least two)."""
+    precision = QUANTIZED[body.encoding_format]
+    if body.sparse:
+        raise BadRequest(
+            f"encoding_format {precision!r} applies to dense embeddings, not sparse ones",
+            param="encoding_format",
+        )
+    if body.embed_dtype != "float32":
+        raise BadRequest(
+            f"embed_dtype applies to encoding_format 'base64' or 'bytes', not {precision!r}",
+            param="embed_dtype",
+        )
+    ranges = None
+    if precision in ("int8", "uint8"):
+        capabilities = state.client.capabilities
+        assert capabilities is not None, "the core reports its capabilities before serving"
+        width = body.dimensions or capabilities.embedding_size or 0
+        if body.quantization_ranges is not None:
+            ranges = np.asarray(body.quantization_ranges, dtype=np.float32)
+            if len(body.quantization_ranges) != 2 or any(
+                len(row) != width for row in body.quantization_ranges
+            ):
+                raise BadRequest(
+                    f"quantization_ranges must be [[min] * {width}, [max] * {width}] (the "
+                    f"embedding size); got {len(body.quantization_ranges)} rows of "
+                    f"{[len(row) for row in body.quantization_ranges][:4]} values",
+                    param="quantization_ranges",
+                )
+        elif len(body.prompts()) < 2:
+            raise BadRequest(
+                f"encoding_format {precision!r} needs quantization_ranges, or at least 2 inputs "
+                "to take the ranges from; got 1 input",
+                param="quantization_ranges",
+            )
+    elif body.quantization_ranges is not None:
+        raise BadRequest(
+            f"quantization_ranges applies to encoding_format 'int8' or 'uint8', not {precision!r}",
+            param="quantization_ranges",
+        )
+    outputs, request_id = await pool(state, body, "embed", "embd")
+
+    def build() -> Response:
+        stacked = torch.stack([out.outputs.data.float() for out in outputs])
+        values = quantize_embeddings(stacked, precision, ranges=ranges).tolist()
+        data = [
+            {"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(values)
+        ]
+        return list_response(state, request_id, data, outputs)
+
+    return await state.offload(build)
 
 
 @router.post("/pooling", responses=schema(PoolingResponse, binary=True))
 @with_cancellation
 async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response:
+    if body.encoding_format in QUANTIZED:
+        raise BadRequest(
+            f"encoding_format {body.encoding_format!r} is served on /v1/embeddings; /pooling "
+            "answers float, base64 or bytes",
+            param="encoding_format",
+        )
     state = get_state(raw_request)
     task = body.task or _default_pooling_task(state)
     outputs, request_id = await pool(state, body, task, "pool")
