@@ -22,6 +22,10 @@ class PoolingParams:
     step_tag_id: int | None = None  # process reward: rows where token == step_tag_id
     returned_token_ids: list[int] | None = None  # process reward: columns to return
     max_active_dims: int | None = None  # embed_sparse: keep the k largest weights (top-k)
+    # the instruction prompt put before each text (sentence-transformers' encode(prompt_name=,
+    # prompt=)): a key of the model's prompts, or the literal text; neither: the model's default
+    prompt_name: str | None = None
+    prompt: str | None = None
     # leading tokens that are the model's instruction prompt (set by the input processor);
     # a sentence-transformers Pooling with include_prompt=false leaves them out
     instruction_length: int = 0
@@ -44,6 +48,14 @@ class PoolingParams:
         ):
             raise InvalidInputError(
                 f"max_active_dims must be a positive integer, got {self.max_active_dims!r}"
+            )
+        for name in ("prompt_name", "prompt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidInputError(f"{name} must be a string, got {type(value).__name__}")
+        if self.prompt_name is not None and self.prompt is not None:
+            raise InvalidInputError(
+                f"pass prompt_name ({self.prompt_name!r}) or prompt (literal text), not both"
             )
         if self.truncation_side not in ("left", "right"):
             raise InvalidInputError(

@@ -115,3 +115,77 @@ def test_a_prompt_truncated_away_pools_like_sentence_transformers(trunk, tmp_pat
     (out,) = llm.embed("the cat sat", PoolingParams(normalize=False), truncate_prompt_tokens=2)
     assert len(out.prompt_token_ids) == 2 < llm.input_processor.instruction_length
     assert torch.count_nonzero(out.outputs.data) == 0
+
+
+ROLE_PROMPTS = {"query": "query the : ", "document": "document : ", "classification": "mat : "}
+
+
+@pytest.mark.parametrize("include_prompt", [False, True])
+def test_per_request_prompts_match_sentence_transformers(
+    trunk, include_prompt: bool, tmp_path: Path
+) -> None:
+    """``prompt_name`` / ``prompt`` per call, ``embed_query`` / ``embed_documents``: the same
+    embeddings as sentence-transformers' ``encode(prompt_name=, prompt=)``, ``encode_query``
+    and ``encode_document``; prompts of different requests mix in one batch."""
+    from sentence_transformers import SentenceTransformer
+
+    folder, _ = trunk
+    saved = save_sentence_transformer(
+        folder, tmp_path / "roles", "mean", normalize=True, include_prompt=include_prompt,
+        prompts=ROLE_PROMPTS,
+    )  # fmt: skip
+    torch.set_num_threads(NUM_THREADS)
+    st_model = SentenceTransformer(str(saved), device="cpu").float().eval()
+    llm = LLM(str(saved), dtype="float32", num_threads=NUM_THREADS)
+
+    def stack(outputs: list) -> torch.Tensor:
+        return torch.stack([out.outputs.data.float() for out in outputs])
+
+    cases = {
+        "none": (llm.embed(TEXTS, use_tqdm=False), st_model.encode(TEXTS)),
+        "name": (
+            llm.embed(TEXTS, prompt_name="classification", use_tqdm=False),
+            st_model.encode(TEXTS, prompt_name="classification"),
+        ),
+        "literal": (
+            llm.embed(TEXTS, prompt="the dog : ", use_tqdm=False),
+            st_model.encode(TEXTS, prompt="the dog : "),
+        ),
+        "query": (llm.embed_query(TEXTS, use_tqdm=False), st_model.encode_query(TEXTS)),
+        "document": (
+            llm.embed_documents(TEXTS, use_tqdm=False),
+            st_model.encode_document(TEXTS),
+        ),
+    }
+    for case, (ours_out, theirs) in cases.items():
+        ours, expected = stack(ours_out), torch.as_tensor(theirs).float()
+        cos = F.cosine_similarity(ours, expected, dim=-1)
+        assert cos.min() >= MIN_COSINE_FP32, f"{case}: min cosine {cos.min():.6f}"
+        torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0, msg=case)
+    assert not torch.allclose(stack(cases["query"][0]), stack(cases["document"][0]), atol=1e-3)
+    # one batch, a prompt per request (PoolingParams), as the lone requests give them
+    mixed = [PoolingParams(prompt_name="query"), PoolingParams(prompt="the dog : ")] * 3
+    together = stack(llm.embed(TEXTS, mixed, use_tqdm=False))
+    alone = torch.cat([
+        stack(llm.embed(text, params, use_tqdm=False))
+        for text, params in zip(TEXTS, mixed, strict=True)
+    ])  # fmt: skip
+    torch.testing.assert_close(together, alone, atol=BATCH_ATOL, rtol=0)
+    torch.testing.assert_close(together[0], stack(cases["query"][0])[0], atol=BATCH_ATOL, rtol=0)
+
+
+def test_unknown_or_conflicting_prompts_are_refused(trunk, tmp_path: Path) -> None:
+    from cenote.errors import InvalidInputError
+
+    folder = _save(trunk, tmp_path, "mean", include_prompt=False, name="excluded")
+    llm = LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)
+    with pytest.raises(InvalidInputError, match=r"prompt_name 'search' is not one of .*'query'"):
+        llm.embed("a dog", prompt_name="search", use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="not both"):
+        PoolingParams(prompt_name="query", prompt="q: ")
+    # no 'document' prompt: embed_documents takes 'passage' (empty here), not the default
+    (doc,) = llm.embed_documents("a dog", use_tqdm=False)
+    (bare,) = llm.embed("a dog", prompt="", use_tqdm=False)
+    (default,) = llm.embed("a dog", use_tqdm=False)
+    torch.testing.assert_close(doc.outputs.data, bare.outputs.data, atol=0, rtol=0)
+    assert not torch.allclose(doc.outputs.data, default.outputs.data, atol=1e-3)

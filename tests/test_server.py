@@ -329,3 +329,21 @@ def test_quantized_embeddings_bad_input(http, body, message):
     assert message in response.json()["error"]["message"]
     pooled = http.post("/pooling", json={"input": "a", "encoding_format": "int8"})
     assert pooled.status_code == 400 and "/v1/embeddings" in pooled.json()["error"]["message"]
+
+
+def test_prompts_per_request(http):
+    """``prompt`` (literal) and ``prompt_name`` (the model's prompts; MiniLM has none) on
+    /v1/embeddings and /pooling: the instruction goes before each text."""
+    texts = ["query: " + s for s in SENTENCES]
+    plain = http.post("/v1/embeddings", json={"input": texts}).json()["data"]
+    prompted = http.post("/v1/embeddings", json={"input": SENTENCES, "prompt": "query: "})
+    assert prompted.status_code == 200, prompted.text
+    assert [d["embedding"] for d in prompted.json()["data"]] == [d["embedding"] for d in plain]
+    assert prompted.json()["usage"]["prompt_tokens"] > len(SENTENCES) * 3
+    pooled = http.post("/pooling", json={"input": SENTENCES[:1], "prompt": "query: "}).json()
+    assert pooled["data"][0]["data"] == plain[0]["embedding"]
+    unknown = http.post("/v1/embeddings", json={"input": "a", "prompt_name": "query"})
+    assert unknown.status_code == 400
+    assert "prompt_name 'query' is not one of the model's prompts (none" in unknown.text
+    both = http.post("/v1/embeddings", json={"input": "a", "prompt_name": "q", "prompt": "q: "})
+    assert both.status_code == 400 and "not both" in both.text

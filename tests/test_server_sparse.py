@@ -90,7 +90,8 @@ def test_bad_requests(client: httpx.Client) -> None:
     assert too_long.status_code == 400 and "max_model_len" in too_long.text
     cut = client.post("/embed_sparse", json={"inputs": long_text, "truncate": True})
     assert cut.status_code == 200, cut.text
-    assert client.post("/embed_sparse", json={"inputs": "a", "prompt_name": "q"}).status_code == 400
+    unknown = client.post("/embed_sparse", json={"inputs": "a", "prompt_name": "q"})
+    assert unknown.status_code == 400 and "prompt_name 'q' is not one of" in unknown.text
     assert client.post("/embed_sparse", json={"inputs": "a", "top": 3}).status_code == 400
     dense = client.post("/v1/embeddings", json={"input": "a dog"})
     assert dense.status_code == 400 and "embed_sparse" in dense.text

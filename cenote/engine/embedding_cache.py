@@ -29,8 +29,11 @@ from cenote.messages import EngineCoreRequest
 from cenote.outputs import PoolingOutput, PoolingRequestOutput
 from cenote.pooling_params import PoolingParams
 
-# fields whose effect is already in the token ids (truncation), or that never change a result
-OUTPUT_NEUTRAL_PARAMS = frozenset({"truncate_prompt_tokens", "truncation_side"})
+# fields whose effect is already in the token ids (truncation, the instruction prompt's text),
+# or that never change a result
+OUTPUT_NEUTRAL_PARAMS = frozenset(
+    {"truncate_prompt_tokens", "truncation_side", "prompt_name", "prompt"}
+)
 OUTPUT_NEUTRAL_REQUEST_FIELDS = frozenset(
     {"request_id", "sampling_params", "eos_token_id", "arrival_time", "priority"}
 )

@@ -69,7 +69,8 @@ class InputProcessor:
     @property
     def instruction_length(self) -> int:
         """Tokens of the model's instruction prompt (sentence-transformers' default prompt)."""
-        return self.prompts.instruction_length
+        default = self.prompts.default_prompt
+        return self.prompts.instruction_length(default) if default else 0
 
     # ---- the one entry point ----------------------------------------------------------------
 
@@ -173,15 +174,15 @@ class InputProcessor:
         """Token ids of every prompt: given ids are checked and cut; texts and pairs go through
         the tokenizer in one call per (kind, truncation, side, special tokens, pooling)."""
         results: list[TokenizedPrompt | None] = [None] * len(prompts)
-        # (kind, truncation length, side, special tokens, pooling) -> (index, text or pair)
+        # (kind, truncation length, side, special tokens, instruction) -> (index, text or pair)
         groups: dict[
-            tuple[str, int | None, Literal["left", "right"], bool, bool], list[tuple[int, Any]]
+            tuple[str, int | None, Literal["left", "right"], bool, str | None],
+            list[tuple[int, Any]],
         ] = {}
         for i, (typed_prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             prompt: Any = typed_prompt  # the caller's input, checked here whatever its type
             max_length = self.validator.truncation_length(params.truncate_prompt_tokens)
             side = params.truncation_side
-            is_pooling = isinstance(params, PoolingParams)
             if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
                 ids = self._check_token_ids(prompt["prompt_token_ids"], indices[i])
                 truncated = max_length is not None and len(ids) > max_length
@@ -190,15 +191,18 @@ class InputProcessor:
                 results[i] = TokenizedPrompt(prompt.get("prompt"), ids, truncated=truncated)
                 continue
             kind, value, special = self._text_of(prompt, indices[i], label, add_special_tokens)
-            key = (kind, max_length, side, special, is_pooling)
+            instruction = None  # pooled texts only: the instruction prompt in front
+            if isinstance(params, PoolingParams):
+                instruction = self.prompts.instruction(params.prompt_name, params.prompt)
+            key = (kind, max_length, side, special, instruction)
             groups.setdefault(key, []).append((i, value))
-        for (kind, max_length, side, special, is_pooling), items in groups.items():
+        for (kind, max_length, side, special, instruction), items in groups.items():
             values = [value for _, value in items]
             if kind == "pair":
                 positions = [indices[i] for i, _ in items]
                 batch = self.prompts.pairs(values, max_length, max_tokens_per_doc, positions)
             else:
-                batch = self.prompts.texts(values, max_length, side, special, is_pooling, role)
+                batch = self.prompts.texts(values, max_length, side, special, instruction, role)
             for (i, _), tok in zip(items, batch, strict=True):
                 results[i] = tok
         return results  # type: ignore[return-value]

@@ -6,7 +6,7 @@ ids. The input processor is its one caller; it validates what comes out."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import lru_cache
 
 from tokenizers import Encoding, Tokenizer
 
@@ -35,10 +35,28 @@ class PromptTokenizer:
         self.uses_token_type_ids = uses_token_type_ids
         st = model_config.st_config
         self.do_lower_case = bool(st and st.do_lower_case)
+        self.model_prompts: dict[str, str] = dict(st.prompts) if st is not None else {}
         self.default_prompt = ""
         if st is not None and st.default_prompt_name:
             self.default_prompt = st.prompts.get(st.default_prompt_name, "")
+        self.instruction_length = lru_cache(maxsize=64)(self._instruction_length)
         self.colbert = colbert_prompts(model_config, tokenizer)  # None: not ColBERT
+
+    def instruction(self, prompt_name: str | None, prompt: str | None) -> str:
+        """The instruction prompt a pooled text gets, as sentence-transformers' ``encode``
+        picks it: ``prompt`` as given, else the model's prompt named ``prompt_name``, else the
+        model's default prompt."""
+        if prompt is not None:
+            return prompt
+        if prompt_name is None:
+            return self.default_prompt
+        if prompt_name not in self.model_prompts:
+            known = ", ".join(repr(name) for name in self.model_prompts) or "none"
+            raise InvalidInputError(
+                f"prompt_name {prompt_name!r} is not one of the model's prompts ({known}; "
+                "config_sentence_transformers.json); pass prompt for a literal instruction"
+            )
+        return self.model_prompts[prompt_name]
 
     def texts(
         self,
@@ -46,23 +64,25 @@ class PromptTokenizer:
         max_length: int | None,
         side: str,
         add_special_tokens: bool,
-        is_pooling: bool,
+        instruction: str | None,
         role: TextRole = "document",
     ) -> list[TokenizedPrompt]:
-        """Token ids of ``texts``, at most ``max_length`` each. Pooled texts get the model's
-        instruction prompt in front and, on a ColBERT model, the marker of ``role``."""
+        """Token ids of ``texts``, at most ``max_length`` each. Pooled texts (``instruction``
+        not None: see ``instruction()``) get the instruction prompt in front and, on a ColBERT
+        model, the marker of ``role``."""
+        is_pooling = instruction is not None
         colbert = self.colbert if is_pooling else None
         if colbert is not None:  # the marker after [CLS] takes one of the tokens
             limit = colbert.max_length(role) - 1
             max_length = limit if max_length is None else min(max_length - 1, limit)
-        if is_pooling:
-            texts_in = [self.default_prompt + t for t in texts]
+        if instruction is not None:
+            texts_in = [instruction + t for t in texts]
             if self.do_lower_case:
                 texts_in = [t.lower() for t in texts_in]
         else:
             texts_in = texts
         encoded = self._encode(texts_in, max_length, side, add_special_tokens)
-        num_instruction = self.instruction_length if is_pooling and self.default_prompt else 0
+        num_instruction = self.instruction_length(instruction) if instruction else 0
         results = []
         for text, (encoding, truncated) in zip(texts, encoded, strict=True):
             ids = list(encoding.ids)
@@ -136,11 +156,10 @@ class PromptTokenizer:
             for text, e in zip(texts, encoded, strict=True)
         ]
 
-    @cached_property
-    def instruction_length(self) -> int:
-        """Tokens of the default instruction prompt as sentence-transformers counts them: the
-        prompt tokenized alone, special tokens included, less a trailing special token."""
-        prompt = self.default_prompt.lower() if self.do_lower_case else self.default_prompt
+    def _instruction_length(self, prompt: str) -> int:
+        """Tokens of an instruction prompt as sentence-transformers counts them: the prompt
+        tokenized alone, special tokens included, less a trailing special token."""
+        prompt = prompt.lower() if self.do_lower_case else prompt
         encoding = self.tokenizer.encode(prompt)
         special = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
         length = len(encoding.ids)

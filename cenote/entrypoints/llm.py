@@ -63,6 +63,10 @@ class PoolOptions(TypedDict, total=False):
 
     truncate_prompt_tokens: int | None  # cut prompts to this many tokens (-1: the model's limit)
     use_tqdm: bool  # a progress bar for long jobs (default True)
+    # the instruction prompt before each text: a name of the model's sentence-transformers
+    # prompts, or the literal text (sentence-transformers' encode(prompt_name=, prompt=))
+    prompt_name: str | None
+    prompt: str | None
 
 
 class LLM:
@@ -104,6 +108,37 @@ class LLM:
     ) -> list[PoolingRequestOutput[EmbeddingOutput]]:
         """One embedding per prompt, in input order."""
         return self._pool(EmbeddingOutput, "embed", prompts, pooling_params, **options)
+
+    def embed_query(
+        self,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
+        **options: Unpack[PoolOptions],
+    ) -> list[PoolingRequestOutput[EmbeddingOutput]]:
+        """``embed`` with the model's ``query`` prompt when it has one (sentence-transformers'
+        ``encode_query``); ``prompt_name`` / ``prompt`` given override it."""
+        return self.embed(prompts, pooling_params, **self._role_prompt(("query",), options))
+
+    def embed_documents(
+        self,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
+        **options: Unpack[PoolOptions],
+    ) -> list[PoolingRequestOutput[EmbeddingOutput]]:
+        """``embed`` with the model's ``document``, ``passage`` or ``corpus`` prompt, the first
+        it has (sentence-transformers' ``encode_document``); ``prompt_name`` / ``prompt``
+        given override it."""
+        roles = ("document", "passage", "corpus")
+        return self.embed(prompts, pooling_params, **self._role_prompt(roles, options))
+
+    def _role_prompt(self, names: tuple[str, ...], options: PoolOptions) -> PoolOptions:
+        """``options`` with ``prompt_name`` the first of ``names`` the model has, unless the
+        caller chose a prompt."""
+        if options.get("prompt_name") is not None or options.get("prompt") is not None:
+            return options
+        known = self.input_processor.prompts.model_prompts
+        name = next((n for n in names if n in known), None)
+        return {**options, "prompt_name": name} if name is not None else options
 
     def embed_sparse(
         self,
@@ -198,9 +233,11 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         max_active_dims: int | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
     ) -> list[PoolingRequestOutput[_Output]]:
-        """Run ``task`` on every prompt (its outputs are ``kind``); ``truncate_prompt_tokens``
-        and ``max_active_dims``, when given, override the params'."""
+        """Run ``task`` on every prompt (its outputs are ``kind``); ``truncate_prompt_tokens``,
+        ``max_active_dims`` and the instruction prompt, when given, override the params'."""
         prompt_list = _as_list(prompts)
         if not prompt_list:
             return []
@@ -208,6 +245,8 @@ class LLM:
             PoolingParams() if pooling_params is None else pooling_params, len(prompt_list)
         )
         bound = [_checked(PoolingParams, p, task).with_task(task) for p in given]
+        if prompt_name is not None or prompt is not None:  # the call's choice replaces the params'
+            bound = [dataclasses.replace(p, prompt_name=prompt_name, prompt=prompt) for p in bound]
         params = _bind(bound, truncate_prompt_tokens, max_active_dims=max_active_dims)
         results = outputs_of(PoolingRequestOutput, self._run(prompt_list, params, use_tqdm))
         assert all(isinstance(out.outputs, kind) for out in results), f"{task} outputs a {kind}"

@@ -164,6 +164,9 @@ class _PoolingBody(_ChatInput):
     normalize: bool | None = None  # embeddings: L2 normalization; None = the model's default
     use_activation: bool | None = None  # classifier activation / embedding normalization
     add_special_tokens: bool | None = None  # None: yes for input, no for messages (as vLLM)
+    # the instruction prompt before each text: one of the model's prompts by name, or literal
+    prompt_name: str | None = None
+    prompt: str | None = None
     priority: Int64 = 0
     request_id: str | None = None
 
@@ -189,6 +192,8 @@ class _PoolingBody(_ChatInput):
             use_activation=self.use_activation,
             truncate_prompt_tokens=truncate,
             truncation_side=self.truncation_side,
+            prompt_name=self.prompt_name,
+            prompt=self.prompt,
         )
 
 

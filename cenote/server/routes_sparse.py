@@ -26,22 +26,19 @@ class SparseEmbedRequest(_Body):
     inputs: PromptInput  # one or many texts (or token-id lists)
     truncate: bool | None = None  # cut inputs to the model's limit; None: the server's default
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
-    prompt_name: str | None = None  # TEI's prompt selection: refused (the default prompt is used)
+    prompt_name: str | None = None  # one of the model's prompts before each text
 
 
 @router.post("/embed_sparse", responses=schema(None))
 @with_cancellation
 async def embed_sparse(body: SparseEmbedRequest, raw_request: Request) -> JSONResponse:
     state = get_state(raw_request)
-    if body.prompt_name is not None:
-        raise BadRequest(
-            "prompt_name is not supported; the model's default prompt is used", "prompt_name"
-        )
     # TEI's body as the shared pooling body: one path for every pooling route
     request = PoolingRequest(
         input=body.inputs,
         truncate_prompt_tokens=-1 if body.truncate else None,
         truncation_side="left" if body.truncation_direction.lower() == "left" else "right",
+        prompt_name=body.prompt_name,
     )
     outputs, _ = await pool(state, request, "embed_sparse", "sparse")
     return JSONResponse([_sparse_values(out.outputs) for out in outputs])
