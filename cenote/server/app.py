@@ -18,7 +18,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cenote
 from cenote.engine.heap import freeze_startup_objects
-from cenote.server import routes_generate, routes_pooling, routes_scoring, routes_sparse
+from cenote.server import (
+    routes_cohere,
+    routes_generate,
+    routes_pooling,
+    routes_scoring,
+    routes_sparse,
+)
 from cenote.server.body import JSONRoute
 from cenote.server.errors import (
     APIError,
@@ -79,6 +85,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(routes_pooling.router)
     app.include_router(routes_sparse.router)  # TEI /embed_sparse
     app.include_router(routes_scoring.router)
+    app.include_router(routes_cohere.router)  # Cohere /v2/embed
     app.include_router(routes_generate.router)
     app.add_middleware(FrontDoor, state=state)
     return app

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
+import json
 import logging
 import time
 import uuid
@@ -33,6 +35,29 @@ from cenote.server.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+COHERE_INPUT_TYPES = ("search_query", "search_document", "classification", "clustering")
+
+
+def parse_input_type_prompts(text: str) -> dict[str, str]:
+    """``--input-type-prompts``: a JSON object of Cohere input_type -> literal prompt."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise argparse.ArgumentTypeError(
+            'expected a JSON object of strings, e.g. {"search_query": "query: "}'
+        )
+    unknown = sorted(set(value) - set(COHERE_INPUT_TYPES))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown input_type {unknown}; choose among {list(COHERE_INPUT_TYPES)}"
+        )
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +164,14 @@ class ServerOptions:
         "2GB); a repeated input is answered without the engine",
         shown="0 (off)",
         parse=parse_cache_size,
+    )
+    input_type_prompts: dict[str, str] | None = option(
+        None,
+        "POST /v2/embed (Cohere): a JSON object of input_type -> instruction prompt, e.g. "
+        '\'{"search_query": "query: ", "search_document": "passage: "}\'',
+        shown="the model's prompts named query, document / passage / corpus, classification, "
+        "clustering",
+        parse=parse_input_type_prompts,
     )
     # not command-line options
     engine_dead_exit_delay_s: float = 2.0  # keep answering 503 this long before exiting
