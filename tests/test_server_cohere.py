@@ -137,8 +137,9 @@ def test_truncate_and_dimensions(co, model_name, server: ServerProcess) -> None:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ({"input_type": "search_query"}, "texts is required"),
-        ({"input_type": "image", "images": ["data:image/png;base64,AAAA"]}, "embeds texts"),
+        ({"input_type": "search_query"}, "texts"),
+        ({"input_type": "image", "texts": ["a"], "images": ["data:image/png;base64,AAAA"]},
+         "embeds texts"),
         ({"input_type": "search_query", "texts": []}, "texts"),
         ({"input_type": "search_query", "texts": ["a"], "embedding_types": ["int4"]},
          "embedding_types"),

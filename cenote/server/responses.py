@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from cenote.server.errors import error_responses
 
@@ -161,6 +161,38 @@ class RerankV2Response(BaseModel):
     results: list[RerankResult]
     meta: RerankMeta
     usage: RerankUsage
+
+
+class CohereEmbeddings(BaseModel):
+    """One list per asked ``embedding_types`` entry (binary ones packed 8 dimensions a byte)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    float_: list[list[float]] | None = Field(default=None, alias="float")
+    int8: list[list[int]] | None = None
+    uint8: list[list[int]] | None = None
+    binary: list[list[int]] | None = None
+    ubinary: list[list[int]] | None = None
+    base64: list[str] | None = None  # float32, little-endian
+
+
+class CohereBilledUnits(BaseModel):
+    input_tokens: int
+
+
+class CohereEmbedMeta(BaseModel):
+    api_version: dict[str, str]
+    billed_units: CohereBilledUnits
+
+
+class CohereEmbedResponse(BaseModel):
+    """Cohere Embed v2's ``EmbedByTypeResponse``."""
+
+    id: str
+    response_type: Literal["embeddings_by_type"]
+    embeddings: CohereEmbeddings
+    texts: list[str]
+    meta: CohereEmbedMeta
 
 
 # ---- generation -------------------------------------------------------------------------------

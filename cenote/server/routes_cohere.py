@@ -17,6 +17,7 @@ from cenote.pooling.quantize import quantize_embeddings
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest
 from cenote.server.protocol import Int64, PoolingRequest, PositiveCount, _Body
+from cenote.server.responses import CohereEmbedResponse, schema
 from cenote.server.routes_pooling import json_response, pool
 from cenote.server.state import ServerState, get_state, with_cancellation
 
@@ -40,7 +41,7 @@ class CohereEmbedRequest(_Body):
 
     model: str | None = None
     input_type: InputType
-    texts: Annotated[list[str], Field(min_length=1)] | None = None
+    texts: Annotated[list[str], Field(min_length=1)]  # Cohere's images / inputs: not served
     images: list[str] | None = None  # refused: text models only
     inputs: list[Any] | None = None  # mixed text / image contents: refused
     embedding_types: Annotated[list[EmbeddingType], Field(min_length=1)] | None = None
@@ -50,7 +51,7 @@ class CohereEmbedRequest(_Body):
     priority: Int64 = 0
 
 
-@router.post("/v2/embed", responses={200: {"description": "Cohere's EmbedByTypeResponse"}})
+@router.post("/v2/embed", responses=schema(CohereEmbedResponse))
 @with_cancellation
 async def create_embed_v2(body: CohereEmbedRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
@@ -86,8 +87,6 @@ def _pooling_request(state: ServerState, body: CohereEmbedRequest) -> PoolingReq
             "this server embeds texts: pass texts (images and mixed inputs are not served)",
             param="images" if body.images is not None else "inputs",
         )
-    if body.texts is None:
-        raise BadRequest("texts is required: a list of at least one text", param="texts")
     prompt_name, prompt = _prompt_of(state, body.input_type)
     truncate: int | None = None
     if body.truncate != "NONE":  # Cohere's default END: cut the end to fit
