@@ -26,6 +26,10 @@ class PoolingParams:
     # prompt=)): a key of the model's prompts, or the literal text; neither: the model's default
     prompt_name: str | None = None
     prompt: str | None = None
+    # a text longer than max_model_len: refused ("error"), or embedded in windows joined into
+    # one embedding ("chunk", cenote.engine.chunking) with chunk_overlap tokens shared
+    long_input: Literal["error", "chunk"] = "error"
+    chunk_overlap: int = 0
     # leading tokens that are the model's instruction prompt (set by the input processor);
     # a sentence-transformers Pooling with include_prompt=false leaves them out
     instruction_length: int = 0
@@ -56,6 +60,18 @@ class PoolingParams:
         if self.prompt_name is not None and self.prompt is not None:
             raise InvalidInputError(
                 f"pass prompt_name ({self.prompt_name!r}) or prompt (literal text), not both"
+            )
+        if self.long_input not in ("error", "chunk"):
+            raise InvalidInputError(
+                f"long_input must be 'error' or 'chunk', got {self.long_input!r}"
+            )
+        if (
+            not isinstance(self.chunk_overlap, int)
+            or isinstance(self.chunk_overlap, bool)
+            or self.chunk_overlap < 0
+        ):
+            raise InvalidInputError(
+                f"chunk_overlap must be a non-negative integer, got {self.chunk_overlap!r}"
             )
         if self.truncation_side not in ("left", "right"):
             raise InvalidInputError(

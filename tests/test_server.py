@@ -347,3 +347,28 @@ def test_prompts_per_request(http):
     assert "prompt_name 'query' is not one of the model's prompts (none" in unknown.text
     both = http.post("/v1/embeddings", json={"input": "a", "prompt_name": "q", "prompt": "q: "})
     assert both.status_code == 400 and "not both" in both.text
+
+
+def test_long_input_chunked_over_http(http, offline):
+    """``long_input: "chunk"``: a text past the model's 256 tokens is embedded in windows joined
+    into one embedding (as the offline engine does; tests/test_chunking.py checks the math
+    against sentence-transformers), usage counts every window's tokens; without it, a 400."""
+    from cenote import PoolingParams
+
+    body = {"input": [LONG_TEXT, "short"], "long_input": "chunk", "chunk_overlap": 16}
+    response = http.post("/v1/embeddings", json=body)
+    assert response.status_code == 200, response.text
+    params = PoolingParams(long_input="chunk", chunk_overlap=16)
+    expected = offline.embed([LONG_TEXT, "short"], params, use_tqdm=False)
+    for item, out in zip(response.json()["data"], expected, strict=True):
+        assert np.allclose(item["embedding"], out.outputs.embedding, atol=1e-5)
+    assert response.json()["usage"]["prompt_tokens"] == sum(
+        len(o.prompt_token_ids) for o in expected
+    )
+    assert response.json()["usage"]["prompt_tokens"] > 300
+    refused = http.post("/v1/embeddings", json={"input": LONG_TEXT})
+    assert refused.status_code == 400 and "max_model_len" in refused.text
+    token_level = http.post(
+        "/pooling", json={"input": LONG_TEXT, "task": "token_embed", "long_input": "chunk"}
+    )
+    assert token_level.status_code == 400 and "long_input 'chunk' joins" in token_level.text

@@ -22,3 +22,7 @@ class ModelCapabilities:
     label_names: tuple[str, ...] | None = None  # id2label, in label order
     score_type: ScoreType | None = None  # how score() compares texts
     uses_token_type_ids: bool = False  # segment ids matter (BERT pairs)
+    # embed's pooling method when long inputs can be chunked and joined (cenote.engine.chunking);
+    # None: embeddings of this model cannot be joined (no embed task, ColBERT, sparse)
+    chunkable_pooling: Literal["cls", "mean", "last"] | None = None
+    normalizes_embeddings: bool = True  # embed's default normalize

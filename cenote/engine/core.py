@@ -96,6 +96,7 @@ class EngineCore:
     ) -> ModelCapabilities:
         model_config = self.config.model
         num_labels = pooler.num_labels if pooler is not None else None
+        embedder = pooler.embedding_pooler if pooler is not None else None
         return ModelCapabilities(
             supported_tasks=tasks,
             embedding_size=pooler.embedding_size if pooler is not None else None,
@@ -105,6 +106,8 @@ class EngineCore:
             label_names=_label_names(model_config.hf_config, num_labels),
             score_type=_score_type(model_config.hf_config, tasks),
             uses_token_type_ids=int(model_config.hf_config.get("type_vocab_size", 0)) > 1,
+            chunkable_pooling=embedder.chunkable_method if embedder is not None else None,
+            normalizes_embeddings=embedder.head.default_normalize if embedder else True,
         )
 
     def _make_kv_cache(self) -> tuple[KVCacheManager, list[torch.Tensor]]:

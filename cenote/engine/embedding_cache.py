@@ -151,7 +151,8 @@ class EmbeddingCache:
         num_hits = num_misses = 0
         for i, request in enumerate(requests):
             params = request.pooling_params
-            cacheable = params is not None and params.task in CACHED_TASKS
+            # a chunked text's windows join in the output processor: its result is not cached
+            cacheable = params is not None and params.task in CACHED_TASKS and not request.chunks
             key = cache_key(self.model, request.children[0]) if cacheable else None
             keys.append(key)
             entry = self._entries.get(key) if key is not None else None

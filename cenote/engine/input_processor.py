@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from cenote.config import ModelConfig
 from cenote.engine.capabilities import ModelCapabilities
 from cenote.engine.chat import render_chat, special_token_variables
+from cenote.engine.chunking import ChunkPlan, split_windows
 from cenote.engine.params_validator import Params, ParamsValidator
 from cenote.engine.prompt_tokenizer import PromptTokenizer, TokenizedPrompt
 from cenote.errors import InvalidInputError, InvalidInputTypeError
@@ -36,9 +37,13 @@ class ParentRequest:
     prompt: str | None  # the prompt's text, when it had one (outputs echo it)
     children: list[EngineCoreRequest]  # what the engine core runs
     truncated: bool = False  # the prompt was cut (truncation; a pair's document)
+    chunks: ChunkPlan | None = None  # a long text's windows: how their embeddings join
 
     @property
     def prompt_token_ids(self) -> list[int]:
+        """The prompt's tokens; a chunked one's: every window's, in order (what is computed)."""
+        if self.chunks is not None:
+            return [t for child in self.children for t in child.prompt_token_ids]
         return self.children[0].prompt_token_ids
 
     @property
@@ -122,16 +127,26 @@ class InputProcessor:
         tokenized = self._tokenize(
             prompts, params_list, add_special_tokens, role, indices, label, max_tokens_per_doc
         )
-        # 3) lengths; generation: max_tokens resolved, prompt + max_tokens fit the context
+        # 3) lengths (long texts chunked where asked); generation: max_tokens resolved, prompt +
+        # max_tokens fit the context
+        windows: dict[int, tuple[PoolingParams, list[list[int]]]] = {}
         for i, (tok, p) in enumerate(zip(tokenized, params_list, strict=True)):
+            if isinstance(p, PoolingParams) and p.long_input == "chunk":
+                if len(tok.prompt_token_ids) > self.model_config.max_model_len:
+                    windows[i] = (p, self._windows(tok, p, indices[i]))
+                    continue
             self._check_length(tok.prompt_token_ids, indices[i], label)
             if isinstance(p, SamplingParams):
                 num_tokens = len(tok.prompt_token_ids)
                 params_list[i] = self._fit_context(p, num_tokens, indices[i], default_max_tokens)
-        # 4) engine requests; n > 1 fans out
+        # 4) engine requests; n > 1 and a chunked text's windows fan out
         return [
-            self._parent(request_id, tok, p, priority)
-            for request_id, tok, p in zip(request_ids, tokenized, params_list, strict=True)
+            self._chunked(request_id, tok, *windows[i], priority)
+            if i in windows
+            else self._parent(request_id, tok, p, priority)
+            for i, (request_id, tok, p) in enumerate(
+                zip(request_ids, tokenized, params_list, strict=True)
+            )
         ]
 
     def check_task(self, task: str) -> None:
@@ -307,6 +322,51 @@ class InputProcessor:
                 for i, child_id in enumerate(ids)
             ]
         return ParentRequest(request_id, prompt.prompt, children, prompt.truncated)
+
+    def _windows(
+        self, prompt: TokenizedPrompt, params: PoolingParams, index: int
+    ) -> list[list[int]]:
+        """A long prompt's windows, each framed as the whole prompt is (``chunking``)."""
+        ids = prompt.prompt_token_ids
+        prefix, suffix = self.prompts.special_frame
+        head = len(prefix) if ids[: len(prefix)] == prefix else 0
+        head = max(head, prompt.num_instruction_tokens)
+        tail = len(suffix) if suffix and ids[len(ids) - len(suffix) :] == suffix else 0
+        limit = self.model_config.max_model_len
+        return split_windows(ids, head, tail, limit, params.chunk_overlap, index)
+
+    def _chunked(
+        self,
+        request_id: str,
+        prompt: TokenizedPrompt,
+        params: PoolingParams,
+        windows: list[list[int]],
+        priority: int,
+    ) -> ParentRequest:
+        """One engine request per window (ids ``{request_id}-w{i}``): un-normalized, full-size
+        embeddings that the output processor joins by ``ChunkPlan``."""
+        instruction = prompt.num_instruction_tokens
+        window_params = dataclasses.replace(
+            params, normalize=False, dimensions=None, instruction_length=instruction
+        )
+        st = self.model_config.st_config
+        skipped = instruction if st is not None and not st.include_prompt else 0  # not pooled
+        weights = tuple(len(w) - skipped for w in windows)  # tokens each window pools
+        normalize = params.normalize
+        if normalize is None:
+            normalize = self.capabilities.normalizes_embeddings
+        children = [
+            self._request(
+                f"{request_id}-w{i}",
+                TokenizedPrompt(None, ids, None, instruction),
+                None,
+                window_params,
+                priority,
+            )  # fmt: skip
+            for i, ids in enumerate(windows)
+        ]
+        plan = ChunkPlan(tuple(max(w, 1) for w in weights), params.dimensions, normalize)
+        return ParentRequest(request_id, prompt.prompt, children, prompt.truncated, plan)
 
     def _request(
         self,

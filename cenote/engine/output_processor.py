@@ -7,8 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
 from tokenizers import Tokenizer
 
+from cenote.engine.chunking import ChunkPlan, join_windows
 from cenote.engine.input_processor import ParentRequest
 from cenote.errors import RequestFailedError, RequestRejectedError
 from cenote.messages import EngineCoreOutput, LogprobsLists, RequestError
@@ -87,6 +89,9 @@ class _RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     pooled: bool = False
+    chunks: ChunkPlan | None = None  # a chunked text: how its windows' embeddings join
+    window_ids: list[str] = field(default_factory=list)  # its windows' engine request ids
+    window_outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # arrived so far
     first_token_time: float | None = None  # time.monotonic() when its first token arrived
 
     @property
@@ -125,8 +130,10 @@ class OutputProcessor:
         if request.pooling_params is not None:
             state = _RequestState(
                 request.request_id, request.prompt, request.prompt_token_ids,
-                request.pooling_params.task,
+                request.pooling_params.task, chunks=request.chunks,
             )  # fmt: skip
+            if request.chunks is not None:
+                state.window_ids = [child.request_id for child in request.children]
         else:
             state = self._generation_state(request)
         for child in request.children:
@@ -174,8 +181,16 @@ class OutputProcessor:
             state = self.states[user_id]
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if state.task is not None:
+                assert out.pooling_output is not None, "a finished pooling request has a result"
+                pooled = out.pooling_output
+                if state.chunks is not None:  # a window: join them once all have arrived
+                    state.window_outputs[out.request_id] = pooled
+                    if len(state.window_outputs) < len(state.window_ids):
+                        continue
+                    windows = [state.window_outputs[i] for i in state.window_ids]
+                    pooled = join_windows(windows, state.chunks)
                 state.pooled = True
-                updated[user_id] = self._pooling_output(state, out)
+                updated[user_id] = self._pooling_output(state, pooled)
             else:
                 if out.new_token_ids and state.first_token_time is None:
                     state.first_token_time = time.monotonic()
@@ -192,11 +207,10 @@ class OutputProcessor:
         return results, to_abort
 
     def _pooling_output(
-        self, state: _RequestState, out: EngineCoreOutput
+        self, state: _RequestState, pooled: torch.Tensor
     ) -> PoolingRequestOutput[Any]:
         output_class = POOLING_OUTPUTS[state.task or "embed"]
-        assert out.pooling_output is not None, "a finished pooling request carries its result"
-        data = output_class(data=out.pooling_output)
+        data = output_class(data=pooled)
         if isinstance(data, ClassificationOutput):
             data.label_names = self.label_names
         return PoolingRequestOutput(state.request_id, data, state.prompt_token_ids)
@@ -280,13 +294,13 @@ class OutputProcessor:
         state = self.states.get(user_request_id)
         if state is None:
             return []
-        ids = list(state.completions) or [user_request_id]
+        ids = list(state.completions) or state.window_ids or [user_request_id]
         self._forget(user_request_id)
         return ids
 
     def _forget(self, user_id: str) -> None:
         state = self.states.pop(user_id)
-        for engine_id in list(state.completions) or [user_id]:
+        for engine_id in list(state.completions) or state.window_ids or [user_id]:
             self.parent_of.pop(engine_id, None)
 
     @property

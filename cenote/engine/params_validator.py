@@ -69,6 +69,14 @@ class ParamsValidator:
                     f"dimensions must be one of the model's matryoshka_dimensions {allowed}, "
                     f"got {params.dimensions}"
                 )
+        if params.long_input == "chunk" and (
+            params.task != "embed" or caps.chunkable_pooling is None
+        ):
+            raise InvalidInputError(
+                "long_input 'chunk' joins the windows of a long text into one embedding: it "
+                "applies to the embed task of a model that pools with CLS, MEAN or LAST, not to "
+                f"{params.task!r} on model {self.model_config.served_model_name}"
+            )
         if params.max_active_dims is not None and params.task != "embed_sparse":
             raise InvalidInputError(
                 f"max_active_dims applies to sparse embeddings (embed_sparse), not to "

@@ -6,7 +6,7 @@ ids. The input processor is its one caller; it validates what comes out."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from tokenizers import Encoding, Tokenizer
 
@@ -155,6 +155,16 @@ class PromptTokenizer:
             text if len(e.ids) <= max_tokens else self.tokenizer.decode(e.ids[:max_tokens])
             for text, e in zip(texts, encoded, strict=True)
         ]
+
+    @cached_property
+    def special_frame(self) -> tuple[list[int], list[int]]:
+        """The special tokens the tokenizer puts before and after a single text."""
+        bare = self.tokenizer.encode("a", add_special_tokens=False).ids
+        full = self.tokenizer.encode("a").ids
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return full[:start], full[start + len(bare) :]
+        return [], []
 
     def _instruction_length(self, prompt: str) -> int:
         """Tokens of an instruction prompt as sentence-transformers counts them: the prompt

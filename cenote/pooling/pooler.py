@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import nn
@@ -51,6 +52,12 @@ class EmbeddingPooler(nn.Module):
         self.output_size = output_size  # embedding size before matryoshka truncation
         # False: CLS / MEAN leave out each request's instruction prompt (sentence-transformers)
         self.include_prompt = include_prompt
+
+    @property
+    def chunkable_method(self) -> Literal["cls", "mean", "last"] | None:
+        """The method, when windows of one text pooled apart can be joined (chunking)."""
+        method = self.method
+        return method if method in ("cls", "mean", "last") else None
 
     def _pool(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
         skip = not self.include_prompt and self.method in ("cls", "mean")
@@ -159,6 +166,13 @@ class DispatchPooler(nn.Module):
         model does not embed)."""
         pooler = self.poolers.get("embed") or self.poolers.get("token_embed")
         return pooler.output_size if isinstance(pooler, EmbeddingPooler) else None
+
+    @property
+    def embedding_pooler(self) -> EmbeddingPooler | None:
+        """The pooler of ``embed`` when it pools a sequence into one vector (None: no embed task,
+        or another kind: ColBERT, sparse)."""
+        pooler = self.poolers.get("embed")
+        return pooler if isinstance(pooler, EmbeddingPooler) else None
 
     @property
     def num_labels(self) -> int | None:

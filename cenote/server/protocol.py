@@ -167,6 +167,10 @@ class _PoolingBody(_ChatInput):
     # the instruction prompt before each text: one of the model's prompts by name, or literal
     prompt_name: str | None = None
     prompt: str | None = None
+    # embeddings of texts over max_model_len: "error" (400) or "chunk" (windows joined into one
+    # embedding); None: the server's --long-input
+    long_input: Literal["error", "chunk"] | None = None
+    chunk_overlap: Count | None = None  # tokens shared by neighbouring windows
     priority: Int64 = 0
     request_id: str | None = None
 
@@ -176,11 +180,19 @@ class _PoolingBody(_ChatInput):
             return [chat_prompt(self, self.messages)]
         return prompts_of(self.input if self.messages is None else None)
 
-    def to_pooling_params(self, task: PoolingTask, auto_truncate: bool = False) -> PoolingParams:
+    def to_pooling_params(
+        self,
+        task: PoolingTask,
+        auto_truncate: bool = False,
+        long_input: Literal["error", "chunk"] = "error",
+        chunk_overlap: int = 0,
+    ) -> PoolingParams:
         """``auto_truncate``: inputs without ``truncate_prompt_tokens`` are cut to the model's
-        limit (the server's ``--auto-truncate``)."""
+        limit (the server's ``--auto-truncate``); ``long_input`` / ``chunk_overlap``: the
+        server's defaults for embeddings (a request's own choice wins)."""
+        chunk = self.long_input or (long_input if task == "embed" else "error")
         truncate = self.truncate_prompt_tokens
-        if truncate is None and auto_truncate:
+        if truncate is None and auto_truncate and chunk != "chunk":
             truncate = -1
         normalize = self.normalize
         if normalize is None and task in ("embed", "token_embed"):
@@ -194,6 +206,8 @@ class _PoolingBody(_ChatInput):
             truncation_side=self.truncation_side,
             prompt_name=self.prompt_name,
             prompt=self.prompt,
+            long_input=chunk,
+            chunk_overlap=chunk_overlap if self.chunk_overlap is None else self.chunk_overlap,
         )
 
 

@@ -178,7 +178,12 @@ def _prepare(
     prompts = body.prompts()
     state.check_prompts(prompts)
     state.check_capacity(len(prompts))
-    params = body.to_pooling_params(task, auto_truncate=state.options.auto_truncate)
+    options = state.options
+    capabilities = state.client.capabilities
+    assert capabilities is not None, "the core reports its capabilities before serving"
+    # the server's --long-input chunk: for models whose embeddings can be joined
+    long_input = options.long_input if capabilities.chunkable_pooling else "error"
+    params = body.to_pooling_params(task, options.auto_truncate, long_input, options.chunk_overlap)
     request_id = new_request_id(prefix, body.request_id)  # echoed to the client
     engine_id = new_request_id(prefix)  # the engine's key: never taken from the client
     requests = processor.process_batch(

@@ -165,6 +165,12 @@ class ServerOptions:
         shown="0 (off)",
         parse=parse_cache_size,
     )
+    long_input: Literal["error", "chunk"] = option(
+        "error",
+        "embeddings of texts longer than the model's window: error (400), or chunk (windows of "
+        "max_model_len joined into one embedding; requests may choose with long_input)",
+    )
+    chunk_overlap: int = option(0, "tokens neighbouring windows share when long inputs chunk")
     input_type_prompts: dict[str, str] | None = option(
         None,
         "POST /v2/embed (Cohere): a JSON object of input_type -> instruction prompt, e.g. "
