@@ -30,10 +30,11 @@ from cenote.outputs import PoolingOutput, PoolingRequestOutput
 from cenote.pooling_params import PoolingParams
 
 # fields whose effect is already in the token ids (truncation, the instruction prompt's text),
-# or that never change a result
+# or that never change a cached result (chunking: a chunked request is not cached)
 OUTPUT_NEUTRAL_PARAMS = frozenset(
-    {"truncate_prompt_tokens", "truncation_side", "prompt_name", "prompt"}
-)
+    {"truncate_prompt_tokens", "truncation_side", "prompt_name", "prompt", "long_input",
+     "chunk_overlap"}
+)  # fmt: skip
 OUTPUT_NEUTRAL_REQUEST_FIELDS = frozenset(
     {"request_id", "sampling_params", "eos_token_id", "arrival_time", "priority"}
 )
