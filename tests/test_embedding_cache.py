@@ -74,10 +74,12 @@ def test_every_pooling_params_field_is_keyed_or_declared_neutral() -> None:
         params = dataclasses.replace(base.pooling_params, **{name: value})  # type: ignore[type-var]
         changed = dataclasses.replace(base, pooling_params=params)
         assert cache_key("m", changed) != cache_key("m", base), name
-    for name in OUTPUT_NEUTRAL_PARAMS:  # truncation acted on the token ids already
-        params = dataclasses.replace(
-            base.pooling_params, **{name: 3 if "tokens" in name else "left"}
-        )  # type: ignore[type-var]
+    # truncation and prompts acted on the token ids already; a chunked request is not cached
+    neutral_values = {"truncate_prompt_tokens": 3, "truncation_side": "left", "prompt": "q: ",
+                      "prompt_name": "query", "long_input": "chunk", "chunk_overlap": 3}  # fmt: skip
+    assert set(neutral_values) == OUTPUT_NEUTRAL_PARAMS
+    for name in OUTPUT_NEUTRAL_PARAMS:
+        params = dataclasses.replace(base.pooling_params, **{name: neutral_values[name]})  # type: ignore[type-var]
         assert cache_key("m", dataclasses.replace(base, pooling_params=params)) == cache_key(
             "m", base
         ), name
@@ -141,6 +143,21 @@ def test_a_call_computes_each_distinct_input_once_and_hands_out_copies() -> None
     (hit,) = cache.complete(cache.lookup([a1]), [])
     assert torch.equal(hit.outputs.data, torch.full((4,), 1.0))
     assert len(cache) == 2
+
+
+def test_a_chunked_text_is_computed_every_time() -> None:
+    """Its windows' embeddings join in the output processor: the cache never keys them."""
+    from cenote.engine.chunking import ChunkPlan
+
+    cache = EmbeddingCache(CacheSize(max_entries=10), "m")
+    chunked = dataclasses.replace(
+        _request([1, 2], request_id="c"), chunks=ChunkPlan((2,), None, True)
+    )
+    for _ in range(2):
+        lookup = cache.lookup([chunked])
+        assert lookup.keys == [None] and (lookup.num_hits, lookup.num_misses) == (0, 0)
+        cache.complete(lookup, [_output(chunked, 1.0)])
+    assert len(cache) == 0
 
 
 # ---- the command line ------------------------------------------------------------------------
