@@ -89,6 +89,7 @@ class ScoringOutput:
     """One similarity or relevance score."""
 
     score: float
+    chunk_index: int | None = None  # chunk-and-max reranking: the best window of the document
 
 
 T = TypeVar("T")

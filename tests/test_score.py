@@ -185,3 +185,36 @@ def test_score_tokenizes_each_text_once(llm_fp32, cross_llm, cross_encoder_dir, 
     counting.encoded.clear()
     cross_llm.score(QUERY, DOCUMENTS, max_tokens_per_doc=2)  # documents cut: still once
     assert counting.encoded == Counter([QUERY] * len(DOCUMENTS) + DOCUMENTS)
+
+
+@pytest.mark.parametrize("overlap", [0, 3])
+def test_chunk_and_max_reranking_is_the_best_window(cross_encoder_dir, cross_llm, overlap) -> None:
+    """``rerank_chunking="max"``: a document past the window is read in windows (the query
+    whole in each) and scores as its best window, which ``chunk_index`` names; the reference is
+    sentence-transformers' CrossEncoder on each window's text (one token per word here)."""
+    limit = cross_llm.config.model.max_model_len
+    words = [f"w{40 + i % 20}" for i in range(2 * limit + 7)]
+    query = "the cat sat"
+    room = limit - 3 - 3  # [CLS] q [SEP] window [SEP]: 3 query tokens, 3 special
+    windows, start = [], 0
+    while True:
+        windows.append(" ".join(words[start : start + room]))
+        if start + room >= len(words):
+            break
+        start += room - overlap
+    expected = _predict(cross_encoder_dir, [(query, w) for w in windows])
+    documents = [" ".join(words), "a cat sat"]
+    long, short = cross_llm.score(query, documents, rerank_chunking="max", chunk_overlap=overlap)
+    assert long.outputs.chunk_index == int(np.argmax(expected)) and len(windows) >= 3
+    np.testing.assert_allclose(long.outputs.score, expected.max(), atol=ATOL, rtol=0)
+    assert len(long.prompt_token_ids) == sum(len(w.split()) + 6 for w in windows)  # all read
+    (plain,) = cross_llm.score(query, "a cat sat")
+    np.testing.assert_allclose(short.outputs.score, plain.outputs.score, atol=1e-6, rtol=0)
+    assert short.outputs.chunk_index == 0
+    with pytest.raises(InvalidInputError, match="must be more than chunk_overlap"):
+        cross_llm.score(query, documents, rerank_chunking="max", chunk_overlap=room)
+
+
+def test_chunk_and_max_needs_a_cross_encoder(llm_fp32) -> None:
+    with pytest.raises(InvalidInputError, match="applies to cross-encoders"):
+        llm_fp32.score("a", "b", rerank_chunking="max")

@@ -193,3 +193,25 @@ def test_embedding_model_rejects_classify(minilm) -> None:
     assert response.status_code == 400
     message = response.json()["error"]["message"]
     assert "'classify' is not supported" in message and "it supports embed, token_embed" in message
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v2/rerank"])
+def test_rerank_chunk_and_max_matches_offline(cross, cross_llm, minilm, path) -> None:
+    """``rerank_chunking: "max"``: a long document scores as its best window (offline
+    ``LLM.score(rerank_chunking="max")``, checked against CrossEncoder in test_score.py), and
+    the result names that window; embedding models refuse it, chunk_overlap alone is a 400."""
+    limit = cross_llm.config.model.max_model_len
+    long_document = " ".join(f"w{40 + i % 20}" for i in range(2 * limit))
+    documents = [long_document, *DOCUMENTS]
+    offline = cross_llm.score(QUERY, documents, rerank_chunking="max", chunk_overlap=2)
+    body = _post(cross, path, {"query": QUERY, "documents": documents,
+                               "rerank_chunking": "max", "chunk_overlap": 2})  # fmt: skip
+    _check_ranking(body["results"], [o.outputs.score for o in offline], None if "v2" in path
+                   else documents)  # fmt: skip
+    by_index = {r["index"]: r for r in body["results"]}
+    assert by_index[0]["chunk_index"] == offline[0].outputs.chunk_index
+    assert body["usage"]["total_tokens"] == sum(len(o.prompt_token_ids) for o in offline)
+    refused = minilm.post(path, json={"query": "a", "documents": ["b"], "rerank_chunking": "max"})
+    assert refused.status_code == 400 and "applies to cross-encoders" in refused.text
+    alone = cross.post(path, json={"query": "a", "documents": ["b"], "chunk_overlap": 2})
+    assert alone.status_code == 400 and "rerank_chunking 'max'" in alone.text

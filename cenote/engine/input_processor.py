@@ -149,6 +149,36 @@ class InputProcessor:
             )
         ]
 
+    def process_pair_windows(
+        self,
+        request_id: str,
+        pairs: list[tuple[str, str]],
+        params: PoolingParams,
+        overlap: int,
+        *,
+        priority: int = 0,
+        max_tokens_per_doc: int | None = None,
+    ) -> list[list[ParentRequest]]:
+        """Chunk-and-max reranking: per pair, one request per window of its document (ids
+        ``{request_id}-{pair}-{window}``), each the query and a window that fit the model."""
+        self.validator.check(params)
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise InvalidInputError(f"priority must be a 64-bit signed integer, got {priority}")
+        for i, (query, document) in enumerate(pairs):
+            self._check_chars(query, "pair", i, "'s text")
+            self._check_chars(document, "pair", i, "'s text_pair")
+        limit = self.model_config.max_model_len
+        windows = self.prompts.pair_windows(
+            pairs, limit, max_tokens_per_doc, overlap, list(range(len(pairs)))
+        )
+        return [
+            [
+                self._parent(f"{request_id}-{i}-{w}", tok, params, priority)
+                for w, tok in enumerate(ws)
+            ]
+            for i, ws in enumerate(windows)
+        ]
+
     def check_task(self, task: str) -> None:
         """``UnsupportedTaskError`` unless the model serves ``task``."""
         self.validator.check_task(task)

@@ -147,6 +147,48 @@ class PromptTokenizer:
             results.append(TokenizedPrompt(None, list(pair.ids), token_types, truncated=truncated))
         return results
 
+    def pair_windows(
+        self,
+        pairs: list[tuple[str, str]],
+        max_length: int,
+        max_tokens_per_doc: int | None,
+        overlap: int,
+        indices: list[int],
+    ) -> list[list[TokenizedPrompt]]:
+        """Cross-encoder inputs for chunk-and-max reranking: per pair, its document (cut to
+        ``max_tokens_per_doc`` first) in windows that overlap by ``overlap`` tokens, each as
+        ``[CLS] query [SEP] window [SEP]`` within ``max_length``; the query whole in each."""
+        num_special = self.tokenizer.num_special_tokens_to_add(is_pair=True)
+        queries = self.tokenizer.encode_batch([q for q, _ in pairs], add_special_tokens=False)
+        documents = self.tokenizer.encode_batch([d for _, d in pairs], add_special_tokens=False)
+        results = []
+        for index, query, document in zip(indices, queries, documents, strict=True):
+            room = max_length - num_special - len(query.ids)
+            if room <= overlap:
+                raise InvalidInputError(
+                    f"pair {index}: the query has {len(query.ids)} tokens (+{num_special} "
+                    f"special), leaving {max(room, 0)} of max_model_len={max_length} for each "
+                    f"document window, which must be more than chunk_overlap={overlap}"
+                )
+            length = len(document.ids)
+            if max_tokens_per_doc is not None:
+                length = min(length, max_tokens_per_doc)
+            windows, start = [], 0
+            while True:
+                end = min(start + room, length)
+                window = Encoding.merge([document], growing_offsets=False)  # a copy to cut
+                window.truncate(end, direction="right")
+                window.truncate(end - start, direction="left")
+                pair = self.tokenizer.post_process(query, window, add_special_tokens=True)
+                token_types = list(pair.type_ids) if self.uses_token_type_ids else None
+                truncated = end < len(document.ids)
+                windows.append(TokenizedPrompt(None, list(pair.ids), token_types, 0, truncated))
+                if end >= length:
+                    break
+                start = end - overlap
+            results.append(windows)
+        return results
+
     def cut_texts(self, texts: list[str], max_tokens: int) -> list[str]:
         """Each text cut to its first ``max_tokens`` tokens (no special tokens); a text that
         fits is returned as it is (the same object)."""

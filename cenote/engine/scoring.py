@@ -120,9 +120,20 @@ class ScorePlan:
     late_interaction: bool = False  # MaxSim over token embeddings instead of cosine
     sparse: bool = False  # dot product of sparse embeddings instead of cosine
     num_truncated_documents: int = 0  # documents cut (to fit, or to max_tokens_per_doc)
+    # chunk-and-max (cross-encoders): per pair, the rows of its document's windows
+    window_rows: list[list[int]] | None = None
 
     def scores(self, outputs: list[PoolingRequestOutput[Any]]) -> list[PoolingRequestOutput[Any]]:
         """One ``ScoringOutput`` per pair, in pair order, from the outputs of ``requests``."""
+        if self.window_rows is not None:  # the best window's score, and which window it is
+            results = []
+            for rows in self.window_rows:
+                values = [float(outputs[row].outputs.data[0]) for row in rows]
+                best = max(range(len(values)), key=lambda w: values[w])  # first of equals
+                ids = [t for row in rows for t in outputs[row].prompt_token_ids]
+                score = ScoringOutput(score=values[best], chunk_index=best)
+                results.append(PoolingRequestOutput(outputs[rows[0]].request_id, score, ids))
+            return results
         if self.document_rows is None:  # cross-encoder: the activated logit of each pair
             return [
                 PoolingRequestOutput(
@@ -158,14 +169,17 @@ def plan_scores(
     instruction: str | None = None,
     fit_documents: bool = False,
     priority: int = 0,
+    chunk_overlap: int | None = None,
 ) -> ScorePlan:
     """The requests (ids ``{request_id}-{i}``) that score ``pairs`` on the processor's model.
     ``params``: the caller's options (``truncate_prompt_tokens`` and ``truncation_side`` cut
     whole prompts — for a cross-encoder pair, the document side; ``use_activation`` for
     cross-encoders); the task is scoring's. ``max_tokens_per_doc`` cuts documents only (0: no
     cut; rerank's default: 4096, Cohere's). ``fit_documents`` (rerank, as Cohere and Jina):
-    documents too long for the model are cut to fit, queries are kept whole. Errors name the query or document at fault by its
-    index."""
+    documents too long for the model are cut to fit, queries are kept whole. ``chunk_overlap``
+    (cross-encoders; rerank_chunking "max"): a document is read in windows that overlap by this
+    many tokens, the query whole in each, and scores as its best window. Errors name the query
+    or document at fault by its index."""
     processor.check_task("score")
     params = params or PoolingParams()
     if max_tokens_per_doc is not None and (
@@ -181,7 +195,15 @@ def plan_scores(
         max_tokens_per_doc = COHERE_MAX_TOKENS_PER_DOC
     plan = _Planner(processor, request_id, params, max_tokens_per_doc, fit_documents, priority)
     if processor.capabilities.score_type == "cross_encoder":
+        if chunk_overlap is not None:
+            return plan.cross_encoder_windows(pairs, chunk_overlap)
         return plan.cross_encoder(pairs, instruction)
+    if chunk_overlap is not None:
+        raise InvalidInputError(
+            "chunk-and-max reranking (rerank_chunking 'max') reads query-document pairs: it "
+            f"applies to cross-encoders; {processor.model_config.served_model_name} scores by "
+            f"{processor.capabilities.score_type}"
+        )
     return plan.embeddings(pairs)
 
 
@@ -202,16 +224,19 @@ class _Planner:
         ids = [f"{self.request_id}-{first + i}" for i in range(len(prompts))]
         return self.processor.process_batch(ids, prompts, params, priority=self.priority, **options)
 
+    def _check_one_label(self) -> None:
+        num_labels = self.processor.capabilities.num_labels
+        if num_labels != 1:
+            raise InvalidInputError(
+                f"score needs a classifier with 1 label (a cross-encoder); "
+                f"{self.processor.model_config.served_model_name} has {num_labels}: use classify"
+            )
+
     def cross_encoder(self, pairs: list[tuple[str, str]], instruction: str | None) -> ScorePlan:
         """A one-label classifier reads each pair: ``[CLS] q [SEP] d [SEP]`` with segment
         ids, or the model's prompt template; the score is its activated logit."""
         processor = self.processor
-        num_labels = processor.capabilities.num_labels
-        if num_labels != 1:
-            raise InvalidInputError(
-                f"score needs a classifier with 1 label (a cross-encoder); "
-                f"{processor.model_config.served_model_name} has {num_labels}: use classify"
-            )
+        self._check_one_label()
         params = self.params.with_task("classify")
         template = score_template(processor.model_config.hf_config)
         if template is None:
@@ -233,6 +258,30 @@ class _Planner:
             requests = self._requests(rendered, params, 0, label="pair")
         rows = list(range(len(requests)))
         return ScorePlan(requests, rows, None, num_truncated_documents=num_cut)
+
+    def cross_encoder_windows(self, pairs: list[tuple[str, str]], overlap: int) -> ScorePlan:
+        """Chunk-and-max: every window of every document as a pair of its own."""
+        processor = self.processor
+        if score_template(processor.model_config.hf_config) is not None:
+            raise InvalidInputError(
+                "chunk-and-max reranking reads [CLS] query [SEP] window [SEP] pairs; "
+                f"{processor.model_config.served_model_name} scores through a prompt template"
+            )
+        self._check_one_label()
+        params = self.params.with_task("classify")
+        windows = processor.process_pair_windows(
+            self.request_id, pairs, params, overlap, priority=self.priority,
+            max_tokens_per_doc=self.max_tokens_per_doc,
+        )  # fmt: skip
+        requests = [request for pair in windows for request in pair]
+        rows, first = [], 0
+        for pair in windows:
+            rows.append(list(range(first, first + len(pair))))
+            first += len(pair)
+        num_cut = sum(pair[-1].truncated for pair in windows)  # cut by max_tokens_per_doc
+        return ScorePlan(
+            requests, [r[0] for r in rows], None, num_truncated_documents=num_cut, window_rows=rows
+        )
 
     def embeddings(self, pairs: list[tuple[str, str]]) -> ScorePlan:
         """Embed each distinct query once and every document, then compare per pair."""

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Sequence
-from typing import Any, TypedDict, TypeVar, Unpack, cast
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, cast
 
 from cenote.assistant.message import parse_assistant
 from cenote.assistant.reasoning import constrain_after_thinking, reasoning_format
@@ -20,7 +20,7 @@ from cenote.engine.input_processor import InputProcessor, per_prompt
 from cenote.engine.output_processor import UserOutput, outputs_of
 from cenote.engine.params_validator import Params
 from cenote.engine_args import EngineArgs, with_engine_args
-from cenote.errors import InvalidInputTypeError
+from cenote.errors import InvalidInputError, InvalidInputTypeError
 from cenote.inputs import ChatPrompt, PromptType
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import (
@@ -206,18 +206,27 @@ class LLM:
         max_tokens_per_doc: int | None = None,
         instruction: str | None = None,
         use_tqdm: bool = True,
+        rerank_chunking: Literal["max"] | None = None,
+        chunk_overlap: int = 0,
     ) -> list[PoolingRequestOutput[ScoringOutput]]:
         """Relevance of each (text_1, text_2) pair (1 -> 1, 1 -> N, N -> N), in input order.
         Classifiers score pairs as cross-encoders (``pooling_params.use_activation``: the
         model's activation on the logit, default on); embedding models compare embeddings
         (cosine); late-interaction models compare token embeddings (MaxSim); sparse (SPLADE)
         models take the dot product of their sparse embeddings. ``pooling_params`` also carries
-        ``truncate_prompt_tokens`` and ``truncation_side``."""
+        ``truncate_prompt_tokens`` and ``truncation_side``. ``rerank_chunking="max"``
+        (cross-encoders): a long text_2 is read in windows overlapping by ``chunk_overlap``
+        tokens, text_1 whole in each; its score is its best window's (``outputs.chunk_index``)."""
+        if rerank_chunking not in (None, "max"):
+            raise InvalidInputError(
+                f"rerank_chunking must be 'max' or None, got {rerank_chunking!r}"
+            )
         pairs = scoring.pair_texts(text_1, text_2)
         (params,) = _bind([pooling_params or PoolingParams()], truncate_prompt_tokens)
         plan = scoring.plan_scores(
             self.input_processor, self._next_id(), pairs, params,
             max_tokens_per_doc=max_tokens_per_doc, instruction=instruction,
+            chunk_overlap=chunk_overlap if rerank_chunking == "max" else None,
         )  # fmt: skip
         return plan.scores(
             outputs_of(PoolingRequestOutput, self.client.run(plan.requests, use_tqdm))

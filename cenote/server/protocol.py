@@ -242,6 +242,10 @@ class _ScoringBody(_Body):
     priority: Int64 = 0
     request_id: str | None = None
 
+    def window_overlap(self) -> int | None:
+        """Chunk-and-max reranking's window overlap; None: documents are not chunked."""
+        return None
+
     def to_pooling_params(self) -> PoolingParams:
         """The options scoring takes from the body (its task is scoring's)."""
         return PoolingParams(
@@ -299,6 +303,19 @@ class RerankRequest(_ScoringBody):
     documents: list[str | RerankDocument]  # strings or {"text": ...}
     top_n: Count | None = None  # None or 0: every document
     return_documents: bool | None = None  # None: yes on /rerank and /v1/rerank, no on /v2
+    # "max": a cross-encoder reads a long document in windows (the query whole in each) and
+    # scores it by its best window (results carry its chunk_index); None: cut to fit
+    rerank_chunking: Literal["max"] | None = None
+    chunk_overlap: Count | None = None  # tokens neighbouring windows share (default 0)
+
+    def window_overlap(self) -> int | None:
+        if self.rerank_chunking is None:
+            if self.chunk_overlap is not None:
+                raise InvalidInputError(
+                    "chunk_overlap applies with rerank_chunking 'max'", param="chunk_overlap"
+                )
+            return None
+        return self.chunk_overlap or 0
 
     @property
     def document_texts(self) -> list[str]:
@@ -314,9 +331,15 @@ class RerankRequest(_ScoringBody):
             )
         return self.query, self.document_texts
 
-    def results(self, scores: list[float], return_documents: bool) -> list[dict[str, Any]]:
+    def results(
+        self,
+        scores: list[float],
+        return_documents: bool,
+        chunk_indices: list[int | None] | None = None,
+    ) -> list[dict[str, Any]]:
         """By relevance (best first, ties in input order), the top ``top_n``; each with its
-        document unless ``return_documents`` (default: the route's) says otherwise."""
+        document unless ``return_documents`` (default: the route's) says otherwise, and its
+        best window's ``chunk_index`` when documents were chunked."""
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if self.top_n:
             order = order[: self.top_n]
@@ -326,6 +349,8 @@ class RerankRequest(_ScoringBody):
         results = []
         for i in order:
             result: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+            if chunk_indices is not None and chunk_indices[i] is not None:
+                result["chunk_index"] = chunk_indices[i]
             if return_documents:
                 result["document"] = {"text": texts[i]}
             results.append(result)

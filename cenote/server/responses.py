@@ -131,6 +131,7 @@ class RerankText(BaseModel):
 class RerankResult(BaseModel):
     index: int
     relevance_score: float
+    chunk_index: int | None = None  # rerank_chunking "max": the document's best window
     document: RerankText | None = None  # with return_documents
 
 

@@ -110,7 +110,8 @@ async def _rerank(
     scores, outputs, request_id, num_cut = await _score(
         state, body, query, texts, "rerank", fit_documents=True
     )
-    results = body.results([s.outputs.score for s in scores], return_documents)
+    chunks = [s.outputs.chunk_index for s in scores]
+    results = body.results([s.outputs.score for s in scores], return_documents, chunks)
     return results, sum(len(out.prompt_token_ids) for out in outputs), num_cut, request_id
 
 
@@ -154,6 +155,7 @@ def _prepare(
         processor, engine_id, pairs, body.to_pooling_params(),
         max_tokens_per_doc=body.max_tokens_per_doc, instruction=body.instruction,
         fit_documents=fit_documents, priority=body.priority,
+        chunk_overlap=body.window_overlap(),
     )  # fmt: skip
     state.check_capacity(len(plan.requests))
     state.check_request_tokens(sum(len(r.prompt_token_ids) for r in plan.requests))
