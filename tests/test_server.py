@@ -372,3 +372,15 @@ def test_long_input_chunked_over_http(http, offline):
         "/pooling", json={"input": LONG_TEXT, "task": "token_embed", "long_input": "chunk"}
     )
     assert token_level.status_code == 400 and "long_input 'chunk' joins" in token_level.text
+
+
+def test_short_inputs_share_steps(server, http):
+    """256 short texts in one request run in a few engine steps, not one step each: a pooling
+    wave holds a measurable step's worth of tokens before any step time is known (it held one
+    request, and a step of one short text is never measured: the server ran 128 texts/s)."""
+    texts = [f"text number {i}" for i in range(256)]
+    before = server.num_steps()
+    response = http.post("/v1/embeddings", json={"input": texts})
+    assert response.status_code == 200, response.text
+    steps = server.num_steps() - before
+    assert steps <= 32, f"{steps} engine steps for 256 short texts"

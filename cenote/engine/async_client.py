@@ -271,11 +271,12 @@ class AsyncEngineClient:
     @property
     def pooling_window(self) -> int:
         """Prompt tokens a pooling wave keeps in the core: what the measured rate runs in
-        ``_POOLING_WAVE_SECONDS``, at most one step's budget (until a step is measured: one
-        request at a time, whose step measures it)."""
+        ``_POOLING_WAVE_SECONDS``, at most one step's budget. Until a step is measured: the
+        fewest tokens a step must hold to be measured (a window of 1, one request at a time,
+        never measured a step of short texts: the server then embedded them one per step)."""
         budget = self.config.scheduler.max_num_batched_tokens
         if self._token_seconds is None:
-            return 1
+            return min(_RATE_MIN_TOKENS, budget)
         return max(min(int(_POOLING_WAVE_SECONDS / self._token_seconds), budget), 1)
 
     def _measure(self, message: StepOutputs) -> None:
