@@ -278,7 +278,22 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}  # stream: true
+# stream: true; the schema of one event (as schemathesis and OpenAPI 3.2's itemSchema read an
+# event stream's schema), its data a JSON chunk or "[DONE]"
+_SSE = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "properties": {
+                "data": {"type": "string"},
+                "event": {"type": "string"},
+                "id": {"type": "string"},
+                "retry": {"type": "integer"},
+            },
+            "required": ["data"],
+        }
+    }
+}
 _BYTES = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
 
 
