@@ -123,3 +123,23 @@ def test_without_chunk_a_long_text_is_refused_and_other_tasks_cannot_chunk(trunk
         PoolingParams(long_input="chunk", chunk_overlap=-1)
     with pytest.raises(InvalidInputError, match="must be more than chunk_overlap=40"):
         llm.embed(LONG, PoolingParams(long_input="chunk", chunk_overlap=40), use_tqdm=False)
+
+
+def test_server_defaults_apply_to_embeddings_and_a_request_may_override_them() -> None:
+    """``--long-input chunk`` / ``--chunk-overlap``: embeddings only (a classify request keeps
+    the 400), a request's own ``long_input`` / ``chunk_overlap`` win, and chunking is not
+    undone by ``--auto-truncate``."""
+    from cenote.server.protocol import EmbeddingRequest
+
+    plain = EmbeddingRequest(input="a")
+    params = plain.to_pooling_params("embed", True, "chunk", 4)
+    assert (params.long_input, params.chunk_overlap, params.truncate_prompt_tokens) == (
+        "chunk", 4, None,
+    )  # fmt: skip
+    assert plain.to_pooling_params("classify", True, "chunk", 4).long_input == "error"
+    assert plain.to_pooling_params("classify", True, "chunk", 4).truncate_prompt_tokens == -1
+    own = EmbeddingRequest(input="a", long_input="error", chunk_overlap=2)
+    params = own.to_pooling_params("embed", False, "chunk", 4)
+    assert (params.long_input, params.chunk_overlap) == ("error", 2)
+    asked = EmbeddingRequest(input="a", long_input="chunk")
+    assert asked.to_pooling_params("embed").long_input == "chunk"
