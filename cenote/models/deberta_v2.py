@@ -166,7 +166,7 @@ class DebertaV2Embeddings(nn.Module):
                 x = x + self.token_type_embeddings(token_type_ids)
         if self.embed_proj is not None:
             x = self.embed_proj(x)
-        return self.LayerNorm(x)  # [num_tokens, hidden]
+        return self.LayerNorm.normalize_(x)  # [num_tokens, hidden]; x: this step's temporary
 
 
 class DebertaV2Layer(BertLayer):
