@@ -89,9 +89,9 @@ class RelativeAttention:
     def has_terms(self) -> bool:
         return self.enabled and (self.c2p or self.p2c)
 
-    def table_index(self, length: int) -> Tensor:
+    def table_index(self, length: int, device: torch.device) -> Tensor:
         """``[length, length]`` row of the relative-embedding table for query i and key j."""
-        positions = torch.arange(length)
+        positions = torch.arange(length, device=device)
         relative = positions[:, None] - positions[None, :]  # query - key
         if self.position_buckets > 0:
             relative = log_bucket(relative, self.position_buckets, self.max_relative_positions)
@@ -105,7 +105,7 @@ def log_bucket(relative: Tensor, buckets: int, max_position: int) -> Tensor:
     mid = buckets // 2
     near = (relative < mid) & (relative > -mid)
     distance = torch.where(near, torch.tensor(mid - 1).type_as(relative), relative.abs())
-    log_scale = torch.log(torch.tensor((max_position - 1) / mid))
+    log_scale = torch.log(torch.tensor((max_position - 1) / mid, device=relative.device))
     far = torch.ceil(torch.log(distance / mid) / log_scale * (mid - 1)) + mid
     return torch.where(distance <= mid, relative.type_as(far), far * sign).long()
 
@@ -126,9 +126,9 @@ class StepPositions:
         self.relative = relative
         self.windows: dict[int, TableWindow] = {}
 
-    def window(self, length: int) -> TableWindow:
+    def window(self, length: int, device: torch.device) -> TableWindow:
         if length not in self.windows:
-            index = self.relative.table_index(length)
+            index = self.relative.table_index(length, device)
             lo, hi = int(index.min()), int(index.max()) + 1
             self.windows[length] = TableWindow(index - lo, lo, hi)
         return self.windows[length]
@@ -173,6 +173,9 @@ class DebertaV2Layer(BertLayer):
     """``BertLayer`` whose attention adds the disentangled position terms; ``project_positions``
     (after loading) turns the shared relative-embedding table into this layer's ``pk`` / ``pq``."""
 
+    pos_key: Tensor | None
+    pos_query: Tensor | None
+
     def __init__(self, config: dict[str, Any], layer_idx: int, relative: RelativeAttention):
         super().__init__(config, layer_idx)
         heads = config["num_attention_heads"]
@@ -183,9 +186,10 @@ class DebertaV2Layer(BertLayer):
         hidden = config["hidden_size"]
         self.pos_key_proj = TrunkLinear(hidden, hidden) if own and relative.c2p else None
         self.pos_query_proj = TrunkLinear(hidden, hidden) if own and relative.p2c else None
-        # [heads, head_dim, 2 * span], set by project_positions
-        self.pos_key: Tensor | None = None
-        self.pos_query: Tensor | None = None
+        # [heads, head_dim, 2 * span], set by project_positions; buffers, so that they move
+        # with the module, left out of state dicts
+        self.register_buffer("pos_key", None, persistent=False)
+        self.register_buffer("pos_query", None, persistent=False)
 
     def project_positions(self, table: Tensor) -> None:
         """``table [2 * span, hidden]``: the normalized relative embeddings."""
@@ -215,7 +219,7 @@ class DebertaV2Layer(BertLayer):
         heads, dim = self.attn.num_heads, self.head_dim
 
         def mask_fn(rows: slice, num_requests: int, length: int) -> Tensor:
-            window = positions.window(length)
+            window = positions.window(length, q.device)
             shape = (num_requests, length, heads, dim)
             index = window.index.expand(num_requests, heads, length, length)
             bias = torch.zeros((), dtype=q.dtype)
@@ -250,8 +254,10 @@ class ConvLayer(nn.Module):
         # requests laid out ``pad`` zero rows apart, so no window reaches into a neighbour
         pad = (self.conv.kernel_size[0] - 1) // 2
         num_real = sum(lengths)
-        request = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        rows = torch.arange(num_real) + pad * (request + 1)
+        device = embeddings.device
+        counts = torch.tensor(lengths, device=device)
+        request = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
+        rows = torch.arange(num_real, device=device) + pad * (request + 1)
         spaced = embeddings.new_zeros(num_real + pad * (len(lengths) + 1), embeddings.shape[1])
         spaced[rows] = embeddings[:num_real]
         out = torch.zeros_like(hidden)  # the batch's padding rows stay 0
