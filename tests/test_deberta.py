@@ -27,11 +27,13 @@ import torch
 import torch.nn.functional as F
 from conftest import NUM_THREADS
 from factories.encoders import make_model
+from factories.seeded import set_config
 from factories.st_folders import save_cross_encoder, save_sentence_transformer
 from factories.texts import random_prompts
 from safetensors.torch import load_file, save_file
 
 from cenote import LLM, PoolingParams
+from cenote.models.deberta_v2 import log_bucket
 
 ATOL = 1e-4  # DESIGN.md §3: hidden states / logits vs transformers, fp32
 PROBS_ATOL = 1e-5  # DESIGN.md §3: classifier probabilities, fp32
@@ -189,6 +191,25 @@ def test_bf16_trunk_matches_fp32(tmp_path: Path) -> None:
     cos = F.cosine_similarity(ours, reference)
     assert cos.min() >= MIN_COSINE_BF16, f"min cosine {cos.min():.5f}"
     assert (ours - reference).abs().max() > 1e-5  # bf16 really ran
+
+
+@pytest.mark.parametrize(("buckets", "max_position"), [(8, 20), (8, 256), (256, 512)])
+def test_log_buckets_match_transformers(buckets: int, max_position: int) -> None:
+    """deberta-v3's own sizes (256 buckets over 512 positions) too, past the table's end."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import make_log_bucket_position
+
+    relative = torch.arange(-2000, 2001)
+    expected = make_log_bucket_position(relative, buckets, max_position).long()
+    assert torch.equal(log_bucket(relative, buckets, max_position), expected)
+
+
+def test_pos_att_type_as_a_string(tmp_path: Path) -> None:
+    """Hub configs write ``"pos_att_type": "p2c|c2p"`` (transformers splits it on load)."""
+    model = make_model(tmp_path, "deberta-v2", seed=8)
+    set_config(tmp_path, pos_att_type="P2C | c2p")
+    (prompt,) = random_prompts([40], seed=14)
+    (ours,) = _token_embeddings(_llm(tmp_path), [prompt])
+    torch.testing.assert_close(ours, _hidden(model, prompt), atol=ATOL, rtol=0)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------

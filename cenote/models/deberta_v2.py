@@ -46,7 +46,6 @@ from cenote.models.layers.linear import TrunkLinear, linear_add_norm
 from cenote.models.layers.norm import LayerNorm
 
 _LAYER_NORM_EPS = 1e-7  # DebertaV2Config's default
-POSITION_TERMS = ("c2p", "p2c")
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ class RelativeAttention:
         )
 
     @property
-    def scale(self) -> float:
+    def scale_factor(self) -> float:
         """transformers divides by sqrt(head_dim * this), whether or not relative_attention."""
         return float(1 + self.c2p + self.p2c)
 
@@ -179,7 +178,7 @@ class DebertaV2Layer(BertLayer):
     def __init__(self, config: dict[str, Any], layer_idx: int, relative: RelativeAttention):
         super().__init__(config, layer_idx)
         heads = config["num_attention_heads"]
-        scale = (self.head_dim * relative.scale) ** -0.5
+        scale = (self.head_dim * relative.scale_factor) ** -0.5
         self.attn = Attention(heads, self.head_dim, heads, layer_idx, scale)
         self.relative = relative
         own = relative.enabled and not relative.share_att_key
