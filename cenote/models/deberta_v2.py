@@ -216,12 +216,14 @@ class DebertaV2Layer(BertLayer):
     def _position_bias(self, q: Tensor, k: Tensor, positions: StepPositions) -> EncoderMaskFn:
         """The c2p + p2c scores (scaled) of the equal-length requests on ``rows``."""
         heads, dim = self.attn.num_heads, self.head_dim
+        projected = (self.pos_key is not None, self.pos_query is not None)
+        assert projected == (self.relative.c2p, self.relative.p2c), "post_load projects them"
 
         def mask_fn(rows: slice, num_requests: int, length: int) -> Tensor:
             window = positions.window(length, q.device)
             shape = (num_requests, length, heads, dim)
             index = window.index.expand(num_requests, heads, length, length)
-            bias = torch.zeros((), dtype=q.dtype)
+            bias = q.new_zeros(())
             if self.pos_key is not None:  # q_i . pk[c(i, j)]
                 table = self.pos_key[..., window.lo : window.hi]  # [heads, dim, width]
                 scores = torch.matmul(q[rows].view(shape).transpose(1, 2), table)
