@@ -1,13 +1,15 @@
-"""Embedding throughput of full-size MPNet and ModernBERT: cenote vs sentence-transformers.
+"""Embedding throughput of full-size MPNet, ModernBERT and DeBERTa-v3: cenote vs
+sentence-transformers.
 
-No MPNet or ModernBERT checkpoint is reachable offline, and a tiny model says nothing about
-speed, so each is built at full size from its published config with random weights:
-all-mpnet-base-v2 (MPNet, 12 layers x 768, relative position buckets) and ModernBERT-base
-(22 layers x 768, global / 128-token local attention, GeGLU). Each is saved as a
-sentence-transformers folder (mean pooling + Normalize) with all-MiniLM-L6-v2's WordPiece
-tokenizer (token counts are what matter here); both engines embed the same corpus
-(embed_offline's prose) with the same thread count, in fp32 and bf16. Prints the CPU, tokens/s,
-the cenote / sentence-transformers ratio per dtype and the min cosine between the two.
+No such checkpoint is reachable offline, and a tiny model says nothing about speed, so each is
+built at full size from its published config with random weights: all-mpnet-base-v2 (MPNet, 12
+layers x 768, relative position buckets), ModernBERT-base (22 layers x 768, global / 128-token
+local attention, GeGLU) and deberta-v3-small (6 layers x 768, disentangled attention over 256
+log buckets). Each is saved as a sentence-transformers folder (mean pooling + Normalize) with
+all-MiniLM-L6-v2's WordPiece tokenizer (token counts are what matter here); both engines embed
+the same corpus (embed_offline's prose) with the same thread count, in fp32 and bf16. Prints the
+CPU, tokens/s, the cenote / sentence-transformers ratio per dtype and the min cosine between the
+two.
 
     flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/embed_architectures.py --num-texts 100
 """
@@ -47,6 +49,30 @@ ARCHITECTURES: dict[str, tuple[str, str, dict, int]] = {
     ),
     # ModernBertConfig's defaults are ModernBERT-base
     "modernbert-base": ("ModernBertConfig", "ModernBertModel", {}, 512),
+    # microsoft/deberta-v3-small's config.json (mxbai-rerank-xsmall-v1 is its 384-wide sibling)
+    "deberta-v3-small": (
+        "DebertaV2Config",
+        "DebertaV2Model",
+        dict(
+            vocab_size=128100,
+            hidden_size=768,
+            num_hidden_layers=6,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            max_position_embeddings=512,
+            relative_attention=True,
+            position_buckets=256,
+            norm_rel_ebd="layer_norm",
+            share_att_key=True,
+            pos_att_type="p2c|c2p",
+            layer_norm_eps=1e-7,
+            max_relative_positions=-1,
+            position_biased_input=False,
+            type_vocab_size=0,
+            pad_token_id=0,
+        ),
+        512,
+    ),
 }
 
 

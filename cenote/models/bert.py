@@ -71,6 +71,10 @@ class BertLayer(nn.Module):
         layer)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         x = linear_add_norm(self.attn_out, self.attn(q, k, v, mask_fn), x, self.attn_norm)
+        return self.feed_forward(x)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``output_norm(x + output(act(intermediate(x))))``, the layer's second half."""
         if self.gelu_approximate is None:
             inner = self.act(self.intermediate(x))
         else:

@@ -40,6 +40,7 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
         "NomicBertModel": ("nomic_bert", "NomicBertModel"),
         "T5EncoderModel": ("t5_encoder", "T5EncoderModel"),
         "MT5EncoderModel": ("t5_encoder", "T5EncoderModel"),
+        "DebertaV2Model": ("deberta_v2", "DebertaV2Model"),
         # EmbeddingGemma: the Gemma 3 trunk as a (bidirectional) encoder
         "Gemma3TextModel": ("gemma3", "Gemma3TextModel"),
     },
@@ -61,6 +62,10 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
         "ModernBertForSequenceClassification": (
             "modernbert",
             "ModernBertForSequenceClassification",
+        ),
+        "DebertaV2ForSequenceClassification": (
+            "deberta_v2",
+            "DebertaV2ForSequenceClassification",
         ),
     },
     (False, ("token_classify",)): {

@@ -1,5 +1,5 @@
-"""Tiny BERT-family encoders (BERT, RoBERTa, XLM-R, MPNet, DistilBERT) saved by transformers:
-trunks, sequence / token classifiers and masked LMs."""
+"""Tiny BERT-family encoders (BERT, RoBERTa, XLM-R, MPNet, DistilBERT, DeBERTa-v2) saved by
+transformers: trunks, sequence / token classifiers and masked LMs."""
 
 from __future__ import annotations
 
@@ -64,6 +64,26 @@ FAMILIES: dict[str, tuple[str, list[str], dict]] = {
         BERT_SPECIALS,
         {**TINY_ENCODER, "max_position_embeddings": 256, "pad_token_id": 0},
     ),
+    # DeBERTa-v3 as deberta-v3-base / mxbai-rerank-v1 configure it, with small tables: 8 log
+    # buckets (exact up to 4 tokens apart), no absolute positions, no token types
+    "deberta-v2": (
+        "DebertaV2",
+        BERT_SPECIALS,
+        {
+            **TINY_ENCODER,
+            "max_position_embeddings": 256,
+            "pad_token_id": 0,
+            "type_vocab_size": 0,
+            "relative_attention": True,
+            "position_buckets": 8,
+            "max_relative_positions": -1,
+            "pos_att_type": ["p2c", "c2p"],
+            "share_att_key": True,
+            "norm_rel_ebd": "layer_norm",
+            "position_biased_input": False,
+            "layer_norm_eps": 1e-7,
+        },
+    ),
 }
 
 
@@ -96,14 +116,15 @@ def make_encoder_classifier(
 def make_model(folder: Path, family: str, head: str = "Model", seed: int = 0, **overrides):
     """Save a seeded random ``<Family><head>`` of ``FAMILIES`` (``Model``,
     ``ForSequenceClassification``, ``ForMaskedLM``) with a word-level tokenizer; returns the
-    transformers model (fp32, eval). Only BERT hands segment ids to the model (DistilBERT and
-    MPNet have no token types)."""
+    transformers model (fp32, eval). Only BERT and DeBERTa with ``type_vocab_size`` > 0 hand
+    segment ids to the model (DistilBERT and MPNet have no token types)."""
     prefix, specials, config = FAMILIES[family]
-    model = random_model(f"{prefix}{head}", hf_config(f"{prefix}Config", config, overrides), seed)
+    hf = hf_config(f"{prefix}Config", config, overrides)
+    model = random_model(f"{prefix}{head}", hf, seed)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     write_tokenizer(folder, specials)
-    if family != "bert":
+    if family != "bert" and getattr(hf, "type_vocab_size", 0) == 0:
         path = folder / "tokenizer_config.json"
         tokenizer_config = json.loads(path.read_text())
         tokenizer_config["model_input_names"] = ["input_ids", "attention_mask"]
