@@ -112,8 +112,6 @@ _STATUS_DESCRIPTIONS = {
     401: "Missing or wrong API key",
     404: "Unknown model",
     413: "Request body too large",
-    422: "Invalid input (text-embeddings-inference's routes: what cenote answers 400 elsewhere)",
-    424: "The served model does not do what the route asks (text-embeddings-inference's routes)",
     429: "Overloaded: retry after the Retry-After header's seconds",
     500: "A bug: a request that failed inside the engine, or an internal error (with an id "
     "naming its traceback in the server log)",
@@ -146,8 +144,7 @@ def api_error_response(error: APIError) -> JSONResponse:
 
 
 # TEI's error_type of each status it answers (its ErrorType -> StatusCode mapping)
-_TEI_ERROR_TYPES = {400: "Empty", 413: "Validation", 422: "Validation", 424: "Backend",
-                    429: "Overloaded", 503: "Unhealthy"}  # fmt: skip
+_TEI_ERROR_TYPES = {424: "Backend", 429: "Overloaded", 500: "Backend", 503: "Unhealthy"}
 
 
 def tei_error_response(error: Exception) -> JSONResponse:
@@ -168,7 +165,9 @@ def tei_error_response(error: Exception) -> JSONResponse:
             headers = {"Retry-After": "1"}
     if status == 400 and not isinstance(error, (EmptyBatch, StarletteHTTPException)):
         status = 422  # TEI answers invalid input 422 and keeps 400 for empty batches
-    error_type = _TEI_ERROR_TYPES.get(status, "Validation" if status < 500 else "Backend")
+    error_type = _TEI_ERROR_TYPES.get(status, "Validation")
+    if isinstance(error, EmptyBatch):
+        error_type = "Empty"
     body = {"error": message, "error_type": error_type}
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -16,6 +16,7 @@ from pydantic.json_schema import JsonSchemaMode
 from cenote.server.errors import ErrorResponse, TEIErrorResponse, error_responses
 from cenote.server.protocol import TokenizeRequest
 from cenote.server.tei_protocol import (
+    TEIEmbedSparseResponse,
     TEIRerankRequest,
     TEIRerankResponse,
     TEITokenizeRequest,
@@ -317,14 +318,20 @@ _TEI_STATUSES: dict[int | str, str] = {
     503: "The engine is starting or not running",
 }
 # bodies of routes two APIs share, named only in anyOf lists: added to the schema's components
-_SHARED_BODIES = (TEIRerankRequest, TEIRerankResponse, TEITokenizeRequest, TEITokenizeResponse)
+_SHARED_BODIES = (TEIRerankRequest, TEIRerankResponse, TEITokenizeRequest, TEITokenizeResponse,
+                  TEIEmbedSparseResponse)  # fmt: skip
 
 
-def tei_schema(model: type[BaseModel] | None) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` for a route of TEI's API: its 200 body and TEI-shaped errors."""
+def tei_schema(
+    model: type[BaseModel] | None, answers: tuple[str, ...] = ()
+) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route of TEI's API: its 200 body (``model``, or one of the schemas
+    named ``answers``) and TEI-shaped errors."""
     ok: dict[str, Any] = {"description": "Success"}
     if model is not None:
         ok["model"] = model
+    if answers:
+        ok["content"] = {"application/json": {"schema": any_of(*answers)}}
     responses: dict[int | str, dict[str, Any]] = {200: ok}
     for status, description in _TEI_STATUSES.items():
         responses[status] = {"model": TEIErrorResponse, "description": description}
@@ -361,7 +368,8 @@ def _add_schemas(schemas: dict[str, Any], models: tuple[type[BaseModel], ...]) -
 
 def install_openapi(app: FastAPI) -> None:
     """The app's schema without FastAPI's automatic 422 answers: a body that fails validation
-    is a 400 (documented per route with ``ErrorResponse``), as OpenAI and vLLM answer."""
+    is a 400 (documented per route with ``ErrorResponse``), as OpenAI and vLLM answer (TEI's
+    routes document their own 422)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -370,7 +378,9 @@ def install_openapi(app: FastAPI) -> None:
             )
             for operations in spec.get("paths", {}).values():
                 for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
+                    responses = operation.get("responses", {})
+                    if "HTTPValidationError" in str(responses.get("422")):  # FastAPI's own
+                        del responses["422"]
             schemas = spec.get("components", {}).get("schemas", {})
             schemas.pop("HTTPValidationError", None)
             schemas.pop("ValidationError", None)

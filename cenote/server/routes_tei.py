@@ -156,9 +156,8 @@ async def _similarity(body: TEISimilarityRequest, state: ServerState) -> Respons
 async def decode(body: TEIDecodeRequest, raw_request: Request) -> Response:
     state = get_state(raw_request)
     ids = body.ids
+    # [] is one empty id list (its text is ""), as TEI reads it
     batch: list[list[int]] = [ids] if not ids or isinstance(ids[0], int) else ids  # type: ignore[list-item]
-    if not batch:
-        raise EmptyBatch("`ids` cannot be empty: send a token-id list or a batch of them")
     limit, vocab = state.options.max_inputs, state.model_config.vocab_size
     if len(batch) > limit:
         raise BadRequest(f"got {len(batch)} id lists, the limit per request is {limit}", "ids")
@@ -262,7 +261,8 @@ def _model_type(state: ServerState) -> dict[str, Any] | None:
 
 @router.post(
     "/",
-    responses=tei_schema(None),
+    responses=tei_schema(None, ("TEIEmbedResponse", "TEIEmbedSparseResponse",
+                                "TEIPredictResponse", "TEIRerankResponse", "TEISimilarityResponse")),
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"anyOf": [{"$ref": f"#/components/schemas/{name}"} for name in (
             "TEIEmbedRequest", "TEIPredictRequest", "TEIRerankRequest", "TEISimilarityRequest",

@@ -108,6 +108,15 @@ class TEIEmbedAllResponse(RootModel[list[list[list[float]]]]):
     """Per input, one embedding per token (special tokens included)."""
 
 
+class TEISparseValue(BaseModel):
+    index: int  # token id
+    value: float  # its weight
+
+
+class TEIEmbedSparseResponse(RootModel[list[list[TEISparseValue]]]):
+    """Per input, its active vocabulary entries in token-id order."""
+
+
 class TEIPrediction(BaseModel):
     score: float
     label: str
