@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import torch
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -20,7 +21,7 @@ from cenote.engine.scoring import cosine_scores
 from cenote.server.body import TEIRoute
 from cenote.server.errors import BadRequest, EmptyBatch, WrongModelType
 from cenote.server.protocol import PoolingRequest
-from cenote.server.responses import tei_schema
+from cenote.server.responses import any_of, tei_schema
 from cenote.server.routes_pooling import pool
 from cenote.server.routes_scoring import tei_rerank
 from cenote.server.routes_sparse import SparseEmbedRequest, embed_sparse
@@ -52,12 +53,20 @@ TEI_PATHS = frozenset({"/", "/embed", "/embed_all", "/predict", "/similarity", "
 _INLINE_RESPONSE_VALUES = 1 << 14  # larger responses are encoded off the event loop
 
 
-async def _json(state: ServerState, value: Any, num_values: int) -> Response:
-    """``value`` as a JSON body, encoded off the event loop when it holds many numbers."""
-    if num_values <= _INLINE_RESPONSE_VALUES:
-        return Response(msgspec.json.encode(value), media_type="application/json")
-    encoded = await state.offload(msgspec.json.encode, value)
-    return Response(encoded, media_type="application/json")
+def _json(value: Any) -> Response:
+    return Response(msgspec.json.encode(value), media_type="application/json")
+
+
+async def _vectors(state: ServerState, tensors: list[torch.Tensor]) -> Response:
+    """The tensors as (nested) JSON lists of their fp32 values, built off the event loop when
+    they hold many numbers."""
+
+    def build() -> bytes:
+        return msgspec.json.encode([t.float().tolist() for t in tensors])
+
+    if sum(t.numel() for t in tensors) <= _INLINE_RESPONSE_VALUES:
+        return Response(build(), media_type="application/json")
+    return Response(await state.offload(build), media_type="application/json")
 
 
 @router.post("/embed", responses=tei_schema(TEIEmbedResponse))
@@ -76,8 +85,7 @@ async def _embed(body: TEIEmbedRequest, state: ServerState) -> Response:
         prompt_name=body.prompt_name,
     )
     outputs, _ = await pool(state, request, "embed", "embd", embed_prompts(body.inputs))
-    tensors = [out.outputs.data.float() for out in outputs]
-    return await _json(state, [t.tolist() for t in tensors], sum(t.numel() for t in tensors))
+    return await _vectors(state, [out.outputs.data for out in outputs])
 
 
 @router.post("/embed_all", responses=tei_schema(TEIEmbedAllResponse))
@@ -94,8 +102,7 @@ async def embed_all(body: TEIEmbedAllRequest, raw_request: Request) -> Response:
         prompt_name=body.prompt_name,
     )
     outputs, _ = await pool(state, request, "token_embed", "embd", embed_prompts(body.inputs))
-    tensors = [out.outputs.data.float() for out in outputs]  # [num_tokens, hidden] each
-    return await _json(state, [t.tolist() for t in tensors], sum(t.numel() for t in tensors))
+    return await _vectors(state, [out.outputs.data for out in outputs])  # [num_tokens, hidden]
 
 
 @router.post("/predict", responses=tei_schema(TEIPredictResponse))
@@ -121,7 +128,7 @@ async def _predict(body: TEIPredictRequest, state: ServerState) -> Response:
         names = out.outputs.label_names or [f"LABEL_{i}" for i in range(len(scores))]
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         predictions.append([{"score": scores[i], "label": names[i]} for i in order])
-    return await _json(state, predictions if is_batch else predictions[0], 0)
+    return _json(predictions if is_batch else predictions[0])
 
 
 @router.post("/similarity", responses=tei_schema(TEISimilarityResponse))
@@ -149,7 +156,7 @@ async def _similarity(body: TEISimilarityRequest, state: ServerState) -> Respons
             raise BadRequest(f"{name} is an empty string", param="inputs")
     outputs, _ = await pool(state, request, "embed", "embd", list(texts))
     source, *others = [out.outputs.data for out in outputs]
-    return await _json(state, cosine_scores([source] * len(others), others), 0)
+    return _json(cosine_scores([source] * len(others), others))
 
 
 @router.post("/decode", responses=tei_schema(TEIDecodeResponse))
@@ -170,7 +177,7 @@ async def decode(body: TEIDecodeRequest, raw_request: Request) -> Response:
     texts = await state.offload(
         state.tokenizer.decode_batch, batch, skip_special_tokens=body.skip_special_tokens
     )
-    return await _json(state, texts, 0)
+    return _json(texts)
 
 
 def tei_tokenize(state: ServerState, body: TEITokenizeRequest) -> list[list[dict[str, Any]]]:
@@ -264,9 +271,8 @@ def _model_type(state: ServerState) -> dict[str, Any] | None:
     responses=tei_schema(None, ("TEIEmbedResponse", "TEIEmbedSparseResponse",
                                 "TEIPredictResponse", "TEIRerankResponse", "TEISimilarityResponse")),
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"anyOf": [{"$ref": f"#/components/schemas/{name}"} for name in (
-            "TEIEmbedRequest", "TEIPredictRequest", "TEIRerankRequest", "TEISimilarityRequest",
-        )]}}}}},
+        "schema": any_of("TEIEmbedRequest", "TEIPredictRequest", "TEIRerankRequest",
+                         "TEISimilarityRequest")}}}},
 )  # fmt: skip
 async def root(raw_request: Request) -> Response:
     """TEI's POST /: the served model's route, as TEI picks it (what Hugging Face's
