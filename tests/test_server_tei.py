@@ -328,12 +328,18 @@ def test_bad_input_on_classifiers(classifier, cross) -> None:
 
 
 def test_shared_paths_keep_their_other_api(minilm) -> None:
-    """A Jina or vLLM body on /rerank and /tokenize is answered and refused in OpenAI's shape."""
+    """A Jina or vLLM body on /rerank and /tokenize is answered and refused in OpenAI's shape;
+    the front door refuses a body on TEI's routes in TEI's shape, on the others in OpenAI's."""
     jina = _ok(minilm.post("/rerank", json={"query": "a", "documents": ["b"]}))
     assert jina["results"][0]["index"] == 0
     error = minilm.post("/rerank", json={"query": "a"}).json()["error"]
     assert error["code"] == 400 and "documents" in error["message"]
     error = minilm.post("/tokenize", json={"prompt": 5}).json()["error"]
     assert error["code"] == 400 and "prompt" in error["message"]
-    not_json = minilm.post("/embed", content=b"{", headers={"content-type": "application/json"})
+    json_headers = {"content-type": "application/json"}
+    not_json = minilm.post("/embed", content=b"{", headers=json_headers)
     _tei_error(not_json, 400, "Validation", "not valid JSON")
+    too_large = minilm.post("/embed", content=b" " * ((16 << 20) + 1), headers=json_headers)
+    _tei_error(too_large, 413, "Validation", f"{(16 << 20) + 1} bytes", str(16 << 20))
+    too_large = minilm.post("/v1/embeddings", content=b" " * ((16 << 20) + 1), headers=json_headers)
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == 413
