@@ -79,6 +79,29 @@ def default_server():
 
 
 @pytest.fixture(scope="session")
+def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random BERT cross-encoder (1 label), saved by transformers."""
+    from factories.encoders import make_encoder_classifier
+
+    folder = tmp_path_factory.mktemp("cross_encoder")
+    make_encoder_classifier(folder, "bert", "ForSequenceClassification", num_labels=1)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def cross_encoder_server(cross_encoder_dir: Path):
+    """``cenote serve`` on ``cross_encoder_dir``, fp32, one thread; shared like
+    ``default_server`` (tests must leave it idle and healthy)."""
+    from tests.server_fixture import ServerProcess
+
+    server = ServerProcess(str(cross_encoder_dir), "--dtype", "float32", "--num-threads", "1")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def smollm2_server():
     """``cenote serve`` on the real SmolLM2-135M-Instruct Q4_1 GGUF, fp32."""
     from cenote.models.gguf_loader import find_smollm2_gguf

@@ -19,7 +19,8 @@ SEED = 20240817
 # routes whose fuzzed cases must reach the engine (some 200s), or the fuzzing tested nothing
 REACHED = {
     "default_server": ["POST /v1/embeddings", "POST /pooling", "POST /score", "POST /v1/rerank",
-                       "POST /v2/rerank", "POST /tokenize"],
+                       "POST /v2/rerank", "POST /tokenize", "POST /embed", "POST /embed_all",
+                       "POST /similarity", "POST /decode", "POST /rerank"],
     "smollm2_server": ["POST /v1/completions", "POST /v1/chat/completions",
                        "POST /v1/embeddings", "POST /tokenize"],
 }  # fmt: skip

@@ -12,10 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from factories.encoders import make_encoder_classifier
 
 from cenote import LLM
-from tests.server_fixture import ServerProcess
 
 ATOL = 1e-5
 QUERY = "the cat sat on the mat"
@@ -29,25 +27,15 @@ MINILM_DOCUMENTS = [
 
 
 @pytest.fixture(scope="module")
-def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("cross_encoder")
-    make_encoder_classifier(folder, "bert", "ForSequenceClassification", num_labels=1)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def cross_llm(cross_encoder_dir: Path) -> LLM:
     return LLM(str(cross_encoder_dir), dtype="float32", num_threads=1)
 
 
 @pytest.fixture(scope="module")
-def cross(cross_encoder_dir: Path):
-    server = ServerProcess(str(cross_encoder_dir), "--dtype", "float32", "--num-threads", "1")
-    try:
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            yield client
-    finally:
-        server.stop()
+def cross(cross_encoder_server):
+    """The session's tiny cross-encoder server (conftest), shared with other modules."""
+    with httpx.Client(base_url=cross_encoder_server.url, timeout=60) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,8 @@ def test_embed_sparse_tei_shape(client: httpx.Client, offline: torch.Tensor) -> 
         torch.testing.assert_close(got, expected[ids], atol=ATOL, rtol=0)
     single = client.post("/embed_sparse", json={"inputs": TEXTS[1]}).json()
     assert single == [body[1]]
+    assert client.post("/", json={"inputs": TEXTS}).json() == body  # TEI's POST / on SPLADE
+    assert client.get("/info").json()["model_type"] == {"embedding": {"pooling": "splade"}}
 
 
 def test_pooling_route_gives_the_vocabulary_vector(client: httpx.Client, offline) -> None:

@@ -24,8 +24,9 @@ from cenote.server import (
     routes_pooling,
     routes_scoring,
     routes_sparse,
+    routes_tei,
 )
-from cenote.server.body import JSONRoute
+from cenote.server.body import JSONRoute, answer_tei
 from cenote.server.errors import (
     APIError,
     BadRequest,
@@ -36,6 +37,7 @@ from cenote.server.errors import (
     Unavailable,
     api_error_response,
     install_error_handlers,
+    tei_error_response,
 )
 from cenote.server.protocol import (
     ChatCompletionRequest,
@@ -54,12 +56,14 @@ from cenote.server.responses import (
     HealthResponse,
     ModelCard,
     ModelList,
-    TokenizeResponse,
     VersionResponse,
+    any_of,
     install_openapi,
     schema,
+    shared_schema,
 )
 from cenote.server.state import ServerState, get_state
+from cenote.server.tei_protocol import TEITokenizeRequest
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +90,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(routes_sparse.router)  # TEI /embed_sparse
     app.include_router(routes_scoring.router)
     app.include_router(routes_cohere.router)  # Cohere /v2/embed
+    app.include_router(routes_tei.router)  # text-embeddings-inference's own routes
     app.include_router(routes_generate.router)
     app.add_middleware(FrontDoor, state=state)
     return app
@@ -129,7 +134,8 @@ class FrontDoor:
         try:
             error = self._check(scope)
             if error is not None:
-                await api_error_response(error)(scope, receive, send_with_status)
+                answer = tei_error_response if path in routes_tei.TEI_PATHS else api_error_response
+                await answer(error)(scope, receive, send_with_status)
             else:
                 await self.app(scope, self._bounded(receive), send_with_status)
         finally:
@@ -242,10 +248,29 @@ async def metrics(raw_request: Request) -> Response:
     return Response(get_state(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/tokenize", responses=schema(TokenizeResponse, 400, 401, 404, 413, 503))
-async def tokenize(body: TokenizeRequest, raw_request: Request) -> JSONResponse:
+@router.post(
+    "/tokenize",
+    responses=shared_schema("TokenizeResponse", "TEITokenizeResponse"),
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": any_of("TokenizeRequest", "TEITokenizeRequest")}}}},
+)  # fmt: skip
+async def tokenize(raw_request: Request) -> Response:
+    """vLLM's body (``prompt`` or ``messages``) or text-embeddings-inference's (``inputs``,
+    answered and refused in TEI's shapes)."""
+    body = await raw_request.json()
+    if isinstance(body, dict) and "inputs" in body:
+        return await answer_tei(raw_request, TEITokenizeRequest, _tei_tokenize)
+    try:
+        parsed = TokenizeRequest.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
     state = get_state(raw_request)
-    return JSONResponse(await state.offload(_tokenize, state, body))  # off the event loop
+    return JSONResponse(await state.offload(_tokenize, state, parsed))  # off the event loop
+
+
+async def _tei_tokenize(body: TEITokenizeRequest, raw_request: Request) -> Response:
+    state = get_state(raw_request)
+    return JSONResponse(await state.offload(routes_tei.tei_tokenize, state, body))
 
 
 def _tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:

@@ -10,13 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 
-from cenote.server.errors import BodyError
+from cenote.server.errors import BodyError, tei_error_response
+
+B = TypeVar("B", bound=BaseModel)
 
 MAX_DEPTH = 64  # nesting of JSON arrays / objects a request may use
 _OFF_LOOP_BYTES = 1 << 18  # parse bodies larger than this in a worker thread
@@ -122,3 +126,37 @@ class JSONRoute(APIRoute):
             return await handler(StrictJSONRequest(request.scope, request.receive))
 
         return strict_handler
+
+
+class TEIRoute(JSONRoute):
+    """A JSONRoute of text-embeddings-inference's API: every error, the body's validation
+    included, is answered in TEI's shape."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def tei_handler(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as error:
+                return tei_error_response(error)
+
+        return tei_handler
+
+
+async def answer_tei(
+    raw_request: Request,
+    model: type[B],
+    handler: Callable[..., Awaitable[Response]],
+) -> Response:
+    """A TEI body on a path another API shares (``/rerank``, ``/tokenize``): validated as
+    ``model`` and answered by ``handler(body, raw_request=...)``, every error in TEI's
+    shape."""
+    try:
+        try:
+            body = model.model_validate(await raw_request.json())
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return await handler(body, raw_request=raw_request)
+    except Exception as error:
+        return tei_error_response(error)

@@ -1,6 +1,8 @@
 """Every error the server answers, in one place, as OpenAI-style bodies.
 
 ``{"error": {"message", "type", "param", "code"}}``; the status code says what went wrong.
+text-embeddings-inference's routes answer TEI's ``{"error", "error_type"}`` instead
+(``tei_error_response``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from http import HTTPStatus
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +35,7 @@ ERROR_TYPES = {
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
+    424: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -71,6 +74,9 @@ ModelNotFound = _status_error("ModelNotFound", 404)
 PayloadTooLarge = _status_error("PayloadTooLarge", 413)
 Overloaded = _status_error("Overloaded", 429)
 Unavailable = _status_error("Unavailable", 503)
+# text-embeddings-inference's own errors: an empty batch, a route the served model cannot serve
+EmptyBatch = _status_error("EmptyBatch", 400)
+WrongModelType = _status_error("WrongModelType", 424)
 
 
 class BodyError(StarletteHTTPException):
@@ -92,6 +98,13 @@ class ErrorResponse(BaseModel):
     """The body of every error answer (OpenAI's shape)."""
 
     error: ErrorDetail
+
+
+class TEIErrorResponse(BaseModel):
+    """The body of every error of text-embeddings-inference's routes (TEI's shape)."""
+
+    error: str  # what went wrong, with the numbers
+    error_type: Literal["Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty"]
 
 
 _STATUS_DESCRIPTIONS = {
@@ -128,6 +141,35 @@ def error_response(
 
 def api_error_response(error: APIError) -> JSONResponse:
     return error_response(error.status, error.message, error.type, error.param, error.headers)
+
+
+# TEI's error_type of each status it answers (its ErrorType -> StatusCode mapping)
+_TEI_ERROR_TYPES = {424: "Backend", 429: "Overloaded", 500: "Backend", 503: "Unhealthy"}
+
+
+def tei_error_response(error: Exception) -> JSONResponse:
+    """Any error of a text-embeddings-inference route in TEI's shape and statuses: invalid input
+    is 422 ``Validation`` (cenote's 400 elsewhere), an empty batch or an unreadable body 400,
+    a model that cannot serve the route 424 ``Backend``, overload 429, a starting or dead engine
+    503 ``Unhealthy``; a bug stays a 500 (its traceback logged under an id)."""
+    headers = None
+    if isinstance(error, APIError):
+        status, message, headers = error.status, error.message, error.headers
+    elif isinstance(error, RequestValidationError):
+        status, message = 422, _validation_message(error)[0]
+    elif isinstance(error, StarletteHTTPException):  # BodyError: not JSON, too large, too deep
+        status, message = error.status_code, str(error.detail)
+    else:
+        status, message, _type, _param = describe_error(error)
+        if status == 503:
+            headers = {"Retry-After": "1"}
+    if status == 400 and not isinstance(error, (EmptyBatch, StarletteHTTPException)):
+        status = 422  # TEI answers invalid input 422 and keeps 400 for empty batches
+    error_type = _TEI_ERROR_TYPES.get(status, "Validation")
+    if isinstance(error, EmptyBatch):
+        error_type = "Empty"
+    body = {"error": message, "error_type": error_type}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 _UNION_TAG = re.compile(r"^([A-Za-z_]+\[.*\]|str|int|float|bool|none|[A-Z]\w*|function-\w+.*)$")

@@ -11,8 +11,17 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import JsonSchemaMode
 
-from cenote.server.errors import error_responses
+from cenote.server.errors import ErrorResponse, TEIErrorResponse, error_responses
+from cenote.server.protocol import TokenizeRequest
+from cenote.server.tei_protocol import (
+    TEIEmbedSparseResponse,
+    TEIRerankRequest,
+    TEIRerankResponse,
+    TEITokenizeRequest,
+    TEITokenizeResponse,
+)
 
 
 class Usage(BaseModel):
@@ -311,9 +320,71 @@ def schema(
     return {200: ok, **error_responses(*errors)}
 
 
+# ---- text-embeddings-inference's routes -------------------------------------------------------
+
+_TEI_STATUSES: dict[int | str, str] = {
+    400: "An empty batch, or a body that is not JSON",
+    401: "Missing or wrong API key",
+    413: "Request body too large",
+    422: "Invalid input: wrong types, too many inputs, too long without truncate",
+    424: "The served model does not do what the route asks",
+    429: "Overloaded: retry after the Retry-After header's seconds",
+    500: "A bug (an error id names its traceback in the server log)",
+    503: "The engine is starting or not running",
+}
+# bodies of routes two APIs share, named only in anyOf lists: added to the schema's components
+_SHARED_BODIES = (TEIRerankRequest, TEIRerankResponse, TEITokenizeRequest, TEITokenizeResponse,
+                  TEIEmbedSparseResponse)  # fmt: skip
+
+
+def tei_schema(
+    model: type[BaseModel] | None, answers: tuple[str, ...] = ()
+) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route of TEI's API: its 200 body (``model``, or one of the schemas
+    named ``answers``) and TEI-shaped errors."""
+    ok: dict[str, Any] = {"description": "Success"}
+    if model is not None:
+        ok["model"] = model
+    if answers:
+        ok["content"] = {"application/json": {"schema": any_of(*answers)}}
+    responses: dict[int | str, dict[str, Any]] = {200: ok}
+    for status, description in _TEI_STATUSES.items():
+        responses[status] = {"model": TEIErrorResponse, "description": description}
+    return responses
+
+
+def any_of(*names: str) -> dict[str, Any]:
+    return {"anyOf": [{"$ref": f"#/components/schemas/{name}"} for name in names]}
+
+
+def shared_schema(*answers: str) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a path two APIs share: one of ``answers``, errors in either shape."""
+    ok = {"description": "Success", "content": {"application/json": {"schema": any_of(*answers)}}}
+    responses: dict[int | str, dict[str, Any]] = {200: ok}
+    errors = {"application/json": {"schema": any_of("ErrorResponse", "TEIErrorResponse")}}
+    descriptions = dict(_TEI_STATUSES)
+    for status, entry in error_responses().items():
+        descriptions[status] = entry["description"]
+    for status, description in descriptions.items():
+        responses[status] = {"description": description, "content": errors}
+    return responses
+
+
+def _add_schemas(schemas: dict[str, Any], models: tuple[type[BaseModel], ...]) -> None:
+    for model in models:
+        mode: JsonSchemaMode = "validation"
+        if not model.__name__.endswith("Request"):
+            mode = "serialization"
+        spec = model.model_json_schema(ref_template="#/components/schemas/{model}", mode=mode)
+        for name, definition in spec.pop("$defs", {}).items():
+            schemas.setdefault(name, definition)
+        schemas.setdefault(model.__name__, spec)
+
+
 def install_openapi(app: FastAPI) -> None:
     """The app's schema without FastAPI's automatic 422 answers: a body that fails validation
-    is a 400 (documented per route with ``ErrorResponse``), as OpenAI and vLLM answer."""
+    is a 400 (documented per route with ``ErrorResponse``), as OpenAI and vLLM answer (TEI's
+    routes document their own 422)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -322,10 +393,14 @@ def install_openapi(app: FastAPI) -> None:
             )
             for operations in spec.get("paths", {}).values():
                 for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
+                    responses = operation.get("responses", {})
+                    if "HTTPValidationError" in str(responses.get("422")):  # FastAPI's own
+                        del responses["422"]
             schemas = spec.get("components", {}).get("schemas", {})
             schemas.pop("HTTPValidationError", None)
             schemas.pop("ValidationError", None)
+            shared = (TokenizeRequest, TokenizeResponse, ErrorResponse, TEIErrorResponse)
+            _add_schemas(schemas, (*_SHARED_BODIES, *shared))
             app.openapi_schema = spec
         return app.openapi_schema
 

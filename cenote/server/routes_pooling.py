@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from cenote.engine.input_processor import ParentRequest
+from cenote.inputs import PromptType
 from cenote.outputs import PoolingRequestOutput
 from cenote.pooling.quantize import Precision, quantize_embeddings
 from cenote.pooling_params import PoolingParams
@@ -160,22 +161,33 @@ def _default_pooling_task(state: ServerState) -> PoolingTask:
 
 
 async def pool(
-    state: ServerState, body: _PoolingBody, task: PoolingTask, prefix: str
+    state: ServerState,
+    body: _PoolingBody,
+    task: PoolingTask,
+    prefix: str,
+    prompts: list[PromptType] | None = None,
 ) -> tuple[list[PoolingRequestOutput[Any]], str]:
-    """Run ``task`` on each input of ``body``; outputs in input order, and the request id."""
+    """Run ``task`` on each input of ``body`` (or on ``prompts``, inputs a route has read from
+    its own format: TEI's pairs and mixed batches); outputs in input order, and the request
+    id."""
     # 1) validate and tokenize, off the event loop; 2) run in the core
-    requests, request_id = await state.offload(_prepare, state, body, task, prefix)
+    requests, request_id = await state.offload(_prepare, state, body, task, prefix, prompts)
     outputs = await state.run_pooling(requests)
     return outputs, request_id
 
 
 def _prepare(
-    state: ServerState, body: _PoolingBody, task: PoolingTask, prefix: str
+    state: ServerState,
+    body: _PoolingBody,
+    task: PoolingTask,
+    prefix: str,
+    prompts: list[PromptType] | None,
 ) -> tuple[list[ParentRequest], str]:
     """The requests of ``body`` (validated, tokenized) and the request id."""
     processor = state.processor()
     state.check_model(body.model)
-    prompts = body.prompts()
+    if prompts is None:
+        prompts = body.prompts()
     state.check_prompts(prompts)
     state.check_capacity(len(prompts))
     options = state.options
@@ -293,5 +305,5 @@ def list_response(
     return json_response(body)
 
 
-def json_response(body: dict[str, Any]) -> Response:
+def json_response(body: dict[str, Any] | list[Any]) -> Response:
     return Response(msgspec.json.encode(body), media_type="application/json")

@@ -1,5 +1,5 @@
-"""POST /classify, /score + /v1/score (vLLM shapes), /rerank + /v1/rerank (Jina shape) and
-/v2/rerank (Cohere shape). Scoring is planned by ``cenote.engine.scoring``, as in ``LLM.score``:
+"""POST /classify, /score + /v1/score (vLLM shapes), /rerank + /v1/rerank (Jina shape; /rerank
+also text-embeddings-inference's) and /v2/rerank (Cohere shape). Scoring is planned by ``cenote.engine.scoring``, as in ``LLM.score``:
 cross-encoders read pairs, bi-encoders compare embeddings (cosine), late interaction MaxSim."""
 
 from __future__ import annotations
@@ -7,21 +7,27 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from cenote.engine.scoring import ScorePlan, pair_texts, plan_scores
 from cenote.outputs import PoolingRequestOutput
-from cenote.server.body import JSONRoute
+from cenote.server.body import JSONRoute, answer_tei
+from cenote.server.errors import EmptyBatch, WrongModelType
 from cenote.server.protocol import ClassificationRequest, RerankRequest, ScoreRequest, _ScoringBody
 from cenote.server.responses import (
     ClassificationResponse,
     RerankResponse,
     RerankV2Response,
     ScoreResponse,
+    any_of,
     schema,
+    shared_schema,
 )
 from cenote.server.routes_pooling import json_response, list_response, pool
 from cenote.server.state import ServerState, get_state, new_request_id, with_cancellation
+from cenote.server.tei_protocol import TEIRerankRequest
 
 router = APIRouter(route_class=JSONRoute)
 
@@ -57,7 +63,26 @@ async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
     return list_response(state, request_id, data, outputs)
 
 
-@router.post("/rerank", responses=schema(RerankResponse))
+@router.post(
+    "/rerank",
+    responses=shared_schema("RerankResponse", "TEIRerankResponse"),
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": any_of("RerankRequest", "TEIRerankRequest")}}}},
+)  # fmt: skip
+async def rerank(raw_request: Request) -> Response:
+    """Jina's body (``query`` + ``documents``) or text-embeddings-inference's (``query`` +
+    ``texts``, answered and refused in TEI's shapes)."""
+    body = await raw_request.json()
+    if isinstance(body, dict) and "texts" in body and "documents" not in body:
+        return await answer_tei(raw_request, TEIRerankRequest, tei_rerank)
+    try:
+        parsed = RerankRequest.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+    response: Response = await create_rerank(parsed, raw_request=raw_request)
+    return response
+
+
 @router.post("/v1/rerank", responses=schema(RerankResponse))
 @with_cancellation
 async def create_rerank(body: RerankRequest, raw_request: Request) -> Response:
@@ -99,6 +124,45 @@ async def create_rerank_v2(body: RerankRequest, raw_request: Request) -> Respons
             "usage": usage,
         }
     )
+
+
+@with_cancellation
+async def tei_rerank(body: TEIRerankRequest, raw_request: Request) -> Response:
+    """TEI's rerank: every text by score, best first (ties in input order), ``[{index, score,
+    text?}]``. ``truncate``: documents too long are cut to fit (the query is kept whole);
+    without it a pair too long for the model is refused."""
+    state = get_state(raw_request)
+    if not body.texts:
+        raise EmptyBatch("`texts` cannot be empty: send at least one text")
+    capabilities = state.client.capabilities
+    if capabilities is None or capabilities.score_type is None:
+        raise WrongModelType(
+            f"/rerank needs a re-ranker (cross-encoder) or an embedding model; "
+            f"{state.model_name} serves {', '.join(state.supported_tasks) or 'no pooling task'}"
+        )
+    if capabilities.score_type == "cross_encoder" and capabilities.num_labels != 1:
+        raise WrongModelType(
+            f"/rerank needs a re-ranker (a classifier with 1 label); {state.model_name} has "
+            f"{capabilities.num_labels} labels: use /predict"
+        )
+    truncate = body.truncate if body.truncate is not None else state.options.auto_truncate
+    request = RerankRequest(
+        query=body.query,
+        documents=list(body.texts),
+        use_activation=not body.raw_scores,
+        truncation_side=body.truncation_side,
+    )
+    scores, _, _, _ = await _score(
+        state, request, body.query, body.texts, "rerank", fit_documents=truncate
+    )
+    values = [s.outputs.score for s in scores]
+    ranks = []
+    for i in sorted(range(len(values)), key=lambda i: -values[i]):
+        rank: dict[str, Any] = {"index": i, "score": values[i]}
+        if body.return_text:
+            rank["text"] = body.texts[i]
+        ranks.append(rank)
+    return json_response(ranks)
 
 
 async def _rerank(
