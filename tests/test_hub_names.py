@@ -158,10 +158,12 @@ def test_a_missing_model_or_revision_names_the_cache_path(hub_cache):
 
 
 def test_local_paths_stay_paths(folders):
-    """An existing folder is never looked up; a revision with it is refused; a name that
-    cannot be a hub id keeps the plain path error."""
+    """An existing folder is never looked up; a revision with it (or with no model) is refused;
+    a name that cannot be a hub id keeps the plain path error."""
     with pytest.raises(ValueError, match="revision 'v2' applies to hub ids; .* is a local path"):
         EngineArgs(str(folders["a"]), revision="v2").create_engine_config()
+    with pytest.raises(ValueError, match="revision 'v2' needs a hub id; no model was given"):
+        EngineArgs(revision="v2").create_engine_config()
     with pytest.raises(FileNotFoundError, match="is not a model folder"):
         EngineArgs("./nobody/nothing").create_engine_config()
     assert is_hub_id("intfloat/e5-small-v2") and is_hub_id("BAAI/bge-m3")
