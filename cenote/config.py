@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from cenote.models.hub_cache import ModelSource, locate_model
 from cenote.models.registry import ConvertOption, convert_architecture
 from cenote.models.st_config import SentenceTransformerConfig, load_st_config
 
@@ -120,10 +121,14 @@ class ModelConfig:
         pooler_config: PoolerConfig | dict[str, Any] | None = None,
         convert: ConvertOption = "auto",
         max_logprobs: int = 20,
+        revision: str | None = None,
     ) -> ModelConfig:
-        """Read a model folder or GGUF file (once); ``convert`` swaps the architecture for the
-        sibling that serves the task (a causal LM becomes a sequence classifier)."""
-        path = Path(model) if model is not None else default_model_path()
+        """Read a model folder, GGUF file or hub id (``owner/name`` from the local Hugging Face
+        cache at ``revision``) once; ``convert`` swaps the architecture for the sibling that
+        serves the task (a causal LM becomes a sequence classifier)."""
+        # every entry point (LLM, serve, run-batch, embed, Ray) names its model here
+        source = _model_source(model, revision)
+        path = source.path
         gguf = _open_gguf(path)
         hf_config = {**_read_hf_config(path, gguf), **(hf_overrides or {})}
         architectures = hf_config.get("architectures") or []
@@ -140,9 +145,6 @@ class ModelConfig:
             if max_model_len > limit:
                 raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
             limit = max_model_len
-        name = served_model_name or (  # a name, never a path of this machine
-            "sentence-transformers/all-MiniLM-L6-v2" if model is None else path.name
-        )
         return cls(
             path=path,
             architecture=converted,
@@ -150,7 +152,7 @@ class ModelConfig:
             dtype=resolve_dtype(dtype),
             max_model_len=limit,
             st_config=st_config,
-            served_model_name=name,
+            served_model_name=served_model_name or source.name,
             pooler_config=PoolerConfig.of(pooler_config),
             max_logprobs=max_logprobs,
             gguf=gguf,
@@ -170,6 +172,14 @@ class ModelConfig:
         return bool(
             self.hf_config.get("is_matryoshka") or self.hf_config.get("matryoshka_dimensions")
         )
+
+
+def _model_source(model: str | os.PathLike[str] | None, revision: str | None) -> ModelSource:
+    if model is not None:
+        return locate_model(model, revision)
+    if revision is not None:
+        raise ValueError(f"revision {revision!r} needs a hub id; no model was given")
+    return ModelSource(path=default_model_path(), name="sentence-transformers/all-MiniLM-L6-v2")
 
 
 def _open_gguf(path: Path) -> GGUFCheckpoint | None:

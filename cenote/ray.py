@@ -8,6 +8,8 @@ engine per actor (``pip install 'cenote[ray]'``).
         concurrency=4, num_cpus=8, batch_size=512,
     )
 
+``model`` and the other constructor options are ``LLM``'s: a hub id (``BAAI/bge-small-en-v1.5``,
+``revision=``) is read from each node's own Hugging Face cache (download it on every node).
 Each class reads its input column(s) from a numpy batch and returns the batch with its output
 columns added (``drop_columns`` leaves inputs out). An engine uses as many torch threads as Ray
 gave its actor CPUs. Rows come back in their input order within a batch; set

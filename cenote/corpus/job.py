@@ -27,6 +27,7 @@ class EmbedJob:
     source: CorpusSource
     output: Path  # a directory of Parquet parts, or a .npy file (parts kept beside it)
     model: str | None = None  # None: the embedded all-MiniLM-L6-v2
+    revision: str | None = None  # of a hub id in the local cache; None: main
     dtype: str = "auto"
     truncate: int | None = None  # None: a too-long passage is an error; -1: the model's limit
     dimensions: int | None = None  # matryoshka truncation
@@ -58,6 +59,8 @@ class EmbedJob:
             "input_mtime_ns": stat.st_mtime_ns,
             **{k: v for k, v in asdict(self.source).items() if k != "path"},
             "model": self.model,
+            # only when given: manifests written before the option existed still resume
+            **({"revision": self.revision} if self.revision is not None else {}),
             "dtype": self.dtype,
             "truncate": self.truncate,
             "dimensions": self.dimensions,
@@ -67,6 +70,7 @@ class EmbedJob:
     def llm_kwargs(self) -> dict[str, Any]:
         return {
             "model": self.model,
+            "revision": self.revision,
             "dtype": self.dtype,
             "max_num_batched_tokens": self.max_tokens_per_batch,
             "num_threads": self.num_threads,

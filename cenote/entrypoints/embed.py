@@ -22,7 +22,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("input", type=Path, help="JSONL, CSV, Parquet or text (one passage a line)")
     parser.add_argument("-o", "--output", required=True, type=Path)
-    parser.add_argument("--model", default=None, help="default: the embedded all-MiniLM-L6-v2")
+    parser.add_argument(
+        "--model", default=None,
+        help="model folder, .gguf file or hub id in the local Hugging Face cache (as cenote "
+        "serve's MODEL); default: the embedded all-MiniLM-L6-v2",
+    )  # fmt: skip
     parser.add_argument("--input-format", choices=INPUT_FORMATS, default=None)
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--id-field", default=None, help="default: ids are 0-based row numbers")
@@ -37,7 +41,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--max-tokens-per-batch", type=int, default=None,
         help="the engine's token budget per step (default: max(8192, max_model_len))",
     )  # fmt: skip
-    EngineArgs.add_cli_args(parser, include=("dtype", "num_threads"))
+    EngineArgs.add_cli_args(parser, include=("revision", "dtype", "num_threads"))
     parser.add_argument("--no-progress", action="store_true")
     ray = parser.add_argument_group("Ray (pip install 'cenote[ray]')")
     ray.add_argument(
@@ -64,10 +68,10 @@ def main(args: argparse.Namespace) -> int:
 
     source = open_source(args.input, args.text_field, args.id_field, args.input_format)
     job = EmbedJob(
-        source=source, output=args.output, model=args.model, dtype=args.dtype,
-        truncate=args.truncate, dimensions=args.dimensions, rows_per_part=args.rows_per_part,
-        max_tokens_per_batch=args.max_tokens_per_batch, num_threads=args.num_threads,
-        progress=not args.no_progress,
+        source=source, output=args.output, model=args.model, revision=args.revision,
+        dtype=args.dtype, truncate=args.truncate, dimensions=args.dimensions,
+        rows_per_part=args.rows_per_part, max_tokens_per_batch=args.max_tokens_per_batch,
+        num_threads=args.num_threads, progress=not args.no_progress,
     )  # fmt: skip
     embed_parts = None
     if args.ray is not None:
