@@ -14,11 +14,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories.device import engine_options
 from factories.texts import PARITY_TEXTS
 
 from cenote import LLM
 
 NUM_THREADS = 2  # the CI box has 2 cores; every engine and reference uses the same count
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.gpu`` tests are skipped where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +41,8 @@ def minilm_path() -> Path:
 
 @pytest.fixture(scope="session")
 def llm_fp32() -> LLM:
-    """The default model (``LLM()`` with no path) in fp32."""
-    return LLM(dtype="float32", num_threads=NUM_THREADS)
+    """The default model (``LLM()`` with no path) in fp32, on ``CENOTE_TEST_DEVICE``."""
+    return LLM(dtype="float32", **engine_options())
 
 
 @pytest.fixture(scope="session")
