@@ -123,8 +123,8 @@ class ModelRunner:
         )
         assert self.pooler is not None  # the engine admits pooling requests with a pooler only
         results = self.pooler(pooled_hidden, metadata)
-        if self.device.type != "cpu":  # the one device -> host copy of a pooling step
-            results = [result.cpu() for result in results]
+        if self.device.type != "cpu":
+            results = _to_host(results)
         return dict(zip(ids, results, strict=True))
 
     # ---- sampling branch --------------------------------------------------------------------
@@ -213,6 +213,14 @@ class ModelRunner:
                 tensors, start, start + num_rows, k
             )
             start += num_rows
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A step's pooled outputs copied to the host: one copy (one sync) when they share a shape
+    (embeddings, scores), else one each (per-token outputs)."""
+    if tensors and all(t.shape == tensors[0].shape for t in tensors):
+        return list(torch.stack(tensors).cpu().unbind(0))
+    return [t.cpu() for t in tensors]
 
 
 def _slice_logprobs(tensors: LogprobsTensors, start: int, end: int, k: int) -> LogprobsLists:
