@@ -5,6 +5,7 @@ tensors, which no CPU kernel can read)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,17 @@ def test_engine_args_resolve_the_device_before_reading_the_model(
     assert parser.parse_args(["--device", "cuda"]).device == "cuda"
     with pytest.raises(SystemExit):
         parser.parse_args(["--device", "gpu"])
+
+
+def test_data_parallel_engine_cores_are_refused_on_one_gpu(minilm_path: Path) -> None:
+    pytest.importorskip("zmq", reason="the server's dependencies (a GPU box may lack them)")
+    from cenote.engine.dp_client import split_cores
+
+    config = EngineArgs(str(minilm_path), device="cpu").create_engine_config()
+    cuda = dataclasses.replace(config, model=dataclasses.replace(config.model, device="cuda"))
+    with pytest.raises(ValueError, match="data_parallel_size 2 .* share one GPU"):
+        split_cores(cuda, 2)
+    assert len(split_cores(config, 1)) == 1
 
 
 # ---- the kernel dispatch -----------------------------------------------------------------------
