@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cenote on a CUDA GPU, one command (about 5 minutes on an H200): the table of
+# cenote on a CUDA GPU, one command (under 2 minutes on an H200, docs/performance.md): the table of
 # benchmarks/gpu_check.py (environment, MiniLM parity and throughput vs sentence-transformers,
 # tiny Llama greedy vs transformers), then the parity tests with CENOTE_TEST_DEVICE=cuda.
 # Exits non-zero when any of them fails. OUT (optional): a folder for the table and the logs.
