@@ -15,6 +15,7 @@ import torch
 from cenote.models.hub_cache import ModelSource, locate_model
 from cenote.models.registry import ConvertOption, convert_architecture
 from cenote.models.st_config import SentenceTransformerConfig, load_st_config
+from cenote.platform import cuda_default_dtype
 
 if TYPE_CHECKING:
     from cenote.models.gguf_loader import GGUFCheckpoint
@@ -34,11 +35,14 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: DTypeName | torch.dtype) -> torch.dtype:
-    """``auto`` picks bf16 on CPUs with native bf16 matmuls (measured: see benchmarks/), else fp32."""
+def resolve_dtype(dtype: DTypeName | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """``auto`` picks bf16 on CPUs with native bf16 matmuls (measured: see benchmarks/), else
+    fp32; on CUDA bf16 from compute capability 8.0, else fp16 (``cenote.platform``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
+        if device == "cuda":
+            return cuda_default_dtype()
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
@@ -105,6 +109,7 @@ class ModelConfig:
     # The opened GGUF file (None for a folder): its config, tokenizer, chat template and tensors
     # all come from this one reader. Crossing a process it travels as its path (re-opened there).
     gguf: GGUFCheckpoint | None = field(default=None, compare=False, repr=False)
+    device: Literal["cpu", "cuda"] = "cpu"  # where weights, KV cache and step tensors live
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:
@@ -122,6 +127,7 @@ class ModelConfig:
         convert: ConvertOption = "auto",
         max_logprobs: int = 20,
         revision: str | None = None,
+        device: Literal["cpu", "cuda"] = "cpu",
     ) -> ModelConfig:
         """Read a model folder, GGUF file or hub id (``owner/name`` from the local Hugging Face
         cache at ``revision``) once; ``convert`` swaps the architecture for the sibling that
@@ -149,13 +155,14 @@ class ModelConfig:
             path=path,
             architecture=converted,
             hf_config=hf_config,
-            dtype=resolve_dtype(dtype),
+            dtype=resolve_dtype(dtype, device),
             max_model_len=limit,
             st_config=st_config,
             served_model_name=served_model_name or source.name,
             pooler_config=PoolerConfig.of(pooler_config),
             max_logprobs=max_logprobs,
             gguf=gguf,
+            device=device,
         )
 
     @property

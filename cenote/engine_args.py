@@ -35,6 +35,7 @@ from cenote.config import (
     SchedulingPolicy,
 )
 from cenote.models.registry import ConvertOption, get_entry
+from cenote.platform import DeviceName, check_device_options, resolve_device
 
 _MIN_TOKEN_BUDGET = 8192  # default token budget of a step, raised to max_model_len when longer
 
@@ -86,10 +87,16 @@ class EngineArgs:
         positional=True,
     )
     _: KW_ONLY  # the options below are keyword-only
+    device: DeviceName = option(
+        "auto",
+        "device of the model, its KV cache and every step's tensors; auto: cuda when torch "
+        "sees a CUDA device, else cpu",
+    )
     dtype: DTypeName | torch.dtype = option(
         "auto",
         "dtype of the model trunk; auto: bfloat16 on CPUs with native bf16 matmuls (AMX / "
-        "AVX512-bf16), else float32. Pooling heads always compute in float32",
+        "AVX512-bf16), else float32; on CUDA bfloat16 from compute capability 8.0, else "
+        "float16. Pooling heads always compute in float32",
     )
     max_model_len: int | None = option(
         None,
@@ -236,7 +243,10 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The frozen tree. Options that cannot work together raise ValueError with the
         numbers and the option to change (``EngineConfig`` checks the whole)."""
+        # 0) the device, and the options it has no path for
         # 1) the model, read once (converted when asked)  2) limits that depend on it  3) the tree
+        device = resolve_device(self.device)
+        check_device_options(device, num_threads=self.num_threads, quantization=self.quantization)
         model_config = ModelConfig.from_path(
             self.model,
             self.dtype,
@@ -247,6 +257,7 @@ class EngineArgs:
             self.convert,
             self.max_logprobs,
             self.revision,
+            device,
         )
         model_config = dataclasses.replace(
             model_config,

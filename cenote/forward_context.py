@@ -24,6 +24,7 @@ class AttentionMetadata:
     block_size: int = 16  # tokens per KV block
     # per layer, shaped by models.layers.attention.kv_cache_shape
     kv_caches: list[torch.Tensor] | None = None
+    device: torch.device = torch.device("cpu")  # the model's: where the step's index tensors go
     # attention's index tensors of this step (models.layers.attention_plan), built by the
     # first layer that needs them and shared by the others
     plans: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False)

@@ -14,11 +14,31 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories.device import engine_options
 from factories.texts import PARITY_TEXTS
 
 from cenote import LLM
 
 NUM_THREADS = 2  # the CI box has 2 cores; every engine and reference uses the same count
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.gpu`` tests are skipped where torch sees no CUDA device. A test marked
+    ``stops_module_server`` (it SIGTERMs its module's shared server) runs after every other test
+    of its module, wherever it is written: a test added below it would find the server gone."""
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    stops = [item for item in items if item.get_closest_marker("stops_module_server")]
+    for item in stops:
+        items.remove(item)
+        module = item.module
+        last = max(
+            (i for i, other in enumerate(items) if other.module is module), default=len(items) - 1
+        )
+        items.insert(last + 1, item)
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +50,8 @@ def minilm_path() -> Path:
 
 @pytest.fixture(scope="session")
 def llm_fp32() -> LLM:
-    """The default model (``LLM()`` with no path) in fp32."""
-    return LLM(dtype="float32", num_threads=NUM_THREADS)
+    """The default model (``LLM()`` with no path) in fp32, on ``CENOTE_TEST_DEVICE``."""
+    return LLM(dtype="float32", **engine_options())
 
 
 @pytest.fixture(scope="session")
@@ -46,20 +66,6 @@ def st_model(minilm_path: Path):
 def st_embeddings(st_model) -> torch.Tensor:
     """sentence-transformers fp32 embeddings of ``PARITY_TEXTS``: [num_texts, 384]."""
     return st_model.encode(PARITY_TEXTS, batch_size=32, convert_to_tensor=True).float()
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test marked ``stops_module_server`` (it SIGTERMs its module's shared server) runs after
-    every other test of its module, wherever it is written: a test added below it would find the
-    server gone (connection refused)."""
-    stops = [item for item in items if item.get_closest_marker("stops_module_server")]
-    for item in stops:
-        items.remove(item)
-        module = item.module
-        last = max(
-            (i for i, other in enumerate(items) if other.module is module), default=len(items) - 1
-        )
-        items.insert(last + 1, item)
 
 
 # ---- servers shared by every test module (one start-up each per session) ---------------------

@@ -297,3 +297,13 @@ def test_poolers_declare_what_they_read(method: str, embed_cacheable: bool) -> N
         assert requirements == PoolingRequirements(last_token_only=cacheable), task
         assert requirements.prefix_cache_safe == cacheable
         assert requirements.whole_prompt != cacheable
+
+
+def test_moving_the_dispatch_pooler_moves_every_head() -> None:
+    """The engine moves the pooler to the model's device with one ``.to``: the heads' weights
+    (a Dense projector here) must follow; the dtype stands for the device on a CPU machine."""
+    dense = DenseProjector([(torch.nn.Linear(4, 3), None)])
+    embed = EmbeddingPooler("mean", EmbeddingHead(dense, default_normalize=True), output_size=3)
+    pooler = DispatchPooler({"embed": embed, "token_embed": embed}).to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in dense.parameters())
+    assert pooler.poolers["embed"] is embed

@@ -67,6 +67,8 @@ class EngineCore:
             )
         self.model = model
         pooler = build_pooler(model_config, model, entry)
+        if pooler is not None:
+            pooler = pooler.to(model_config.device)  # heads (e.g. Dense) load on the host
         self.pooler = pooler
         kv_manager, kv_caches = None, None
         release_freed_memory()  # the loader's temporaries, before the KV cache sets the peak
@@ -117,7 +119,7 @@ class EngineCore:
             raise TypeError(f"{type(model).__name__} is causal but declares no KV cache layout")
         num_blocks = cache.num_gpu_blocks_override
         if num_blocks is None:
-            budget = cache.kv_cache_memory_bytes or _default_kv_budget()
+            budget = cache.kv_cache_memory_bytes or _default_kv_budget(self.config.model.device)
             num_blocks = num_blocks_for_memory(
                 budget,
                 model.num_layers,
@@ -132,8 +134,9 @@ class EngineCore:
         )  # fmt: skip
         _check_kv_cache_fits(self.config, num_blocks, bytes_per_block, model.kv_sliding_window)
         shape = kv_cache_shape(num_blocks, cache.block_size, model.num_kv_heads, model.head_dim)
+        dtype, device = self.config.model.dtype, self.config.model.device
         kv_caches = [
-            torch.zeros(shape, dtype=self.config.model.dtype) for _ in range(model.num_layers)
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)
         ]
         # every layer slides: blocks behind the window are freed as requests advance
         manager = KVCacheManager(
@@ -395,8 +398,11 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / 1024:.1f} KiB"
 
 
-def _default_kv_budget() -> int:
-    """A quarter of the available memory, at most 1 GiB."""
+def _default_kv_budget(device: str = "cpu") -> int:
+    """A quarter of the available memory (the device's on CUDA), at most 1 GiB."""
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return min(_DEFAULT_KV_BYTES, free // 4)
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

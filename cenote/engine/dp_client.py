@@ -38,7 +38,13 @@ def split_cores(
 ) -> list[EngineConfig]:
     """The config of each of ``size`` engine cores: local processes get disjoint CPU sets of this
     machine (threads = their size); Ray actors get ``num_threads`` CPUs each (default: this
-    machine's share) wherever Ray places them."""
+    machine's share) wherever Ray places them. Refused on a GPU: the replicas would share it."""
+    if config.model.device != "cpu":
+        raise ValueError(
+            f"data_parallel_size {size} splits this machine's CPU cores between engine cores; "
+            f"with device={config.model.device!r} they would share one GPU: use "
+            "data_parallel_size 1 (--data-parallel-size), or device='cpu'"
+        )
     if executor == "ray":
         threads = config.num_threads or max((os.cpu_count() or 1) // size, 1)
         return [dataclasses.replace(config, num_threads=threads, cpu_ids=None)] * size

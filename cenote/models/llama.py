@@ -30,6 +30,7 @@ from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.quant import QuantEmbedding, QuantizedWeight, QuantLinear
 from cenote.models.layers.rotary import RotaryEmbedding
 from cenote.models.sliding_window import layer_windows
+from cenote.platform import runs_cpu_kernels
 from cenote.pooling.activation import Activation
 from cenote.pooling.methods import PoolingMethod
 
@@ -102,7 +103,7 @@ class LlamaModel(nn.Module):
         # [num_tokens, head_dim] each: computed in fp32, cast once to the activation dtype (as
         # transformers casts them before rotating)
         cos, sin = (t.to(x.dtype) for t in self.rotary.cos_sin(positions))
-        ops = quant_ops()
+        ops = quant_ops() if runs_cpu_kernels(x) else None
         if ops is not None and x.dtype in (torch.float32, torch.bfloat16) and self._fusable():
             return self._forward_fused(ops, x, cos, sin)
         for layer in self.layers:

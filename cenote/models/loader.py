@@ -73,10 +73,10 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     if method == "gguf":
         assert model_config.gguf is not None and isinstance(model, QuantizedLoading)
         model.prepare_quantized(model_config.gguf.quantized_names())
-        model = model.to_empty(device="cpu")
+        model = model.to_empty(device=model_config.device)
         loaded = model.load_weights(model_config.gguf.tensors(torch.float32, keep_quantized=True))
     else:
-        model = model.to_empty(device="cpu")
+        model = model.to_empty(device=model_config.device)  # each weight is copied in from the host
         loaded = model.load_weights(model_weights(model_config))
     missing = model.required_parameters() - loaded
     if missing:
@@ -111,6 +111,14 @@ def _quantization(model_config: ModelConfig, model: nn.Module) -> str | None:
         return None
     if asked == "auto":
         if model_config.gguf is None or not isinstance(model, QuantizedLoading):
+            return None
+        if model_config.device != "cpu":
+            logger.warning(
+                "%s: quantized GGUF tensors have no %s kernel yet, weights dequantized to %s",
+                model_config.path.name,
+                model_config.device,
+                model_config.dtype,
+            )
             return None
         if quant_ops() is None:
             logger.warning(

@@ -21,20 +21,21 @@ def parse_pooling_method(name: str) -> PoolingMethod:
 
 
 def pool_cls(hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
-    starts = torch.tensor(metadata.start_loc[:-1])
+    starts = torch.tensor(metadata.start_loc[:-1], device=hidden.device)
     return hidden[starts].float()  # [num_requests, hidden]
 
 
 def pool_last(hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
-    ends = torch.tensor(metadata.start_loc[1:]) - 1
+    ends = torch.tensor(metadata.start_loc[1:], device=hidden.device) - 1
     return hidden[ends].float()  # [num_requests, hidden]
 
 
 def pool_mean(hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
     """Mean over each prompt's tokens, accumulated in fp32 whatever the model dtype."""
-    sums = torch.zeros(metadata.num_requests, hidden.shape[-1], dtype=torch.float32)
-    sums.index_add_(0, metadata.segment_ids(), hidden.float())
-    lens = torch.tensor(metadata.prompt_lens, dtype=torch.float32).unsqueeze(1)
+    device = hidden.device
+    sums = torch.zeros(metadata.num_requests, hidden.shape[-1], dtype=torch.float32, device=device)
+    sums.index_add_(0, metadata.segment_ids().to(device), hidden.float())
+    lens = torch.tensor(metadata.prompt_lens, dtype=torch.float32, device=device).unsqueeze(1)
     return sums / lens  # [num_requests, hidden]
 
 
@@ -56,7 +57,7 @@ def pool_step(
     ):
         step_tag_id = params.step_tag_id if params.step_tag_id is not None else default_step_tag_id
         if step_tag_id is not None:
-            rows = rows[torch.tensor(token_ids) == step_tag_id]
+            rows = rows[torch.tensor(token_ids, device=rows.device) == step_tag_id]
         out.append(rows)
     return out
 

@@ -153,6 +153,10 @@ class DispatchPooler(nn.Module):
     def __init__(self, poolers: dict[PoolingTask, Pooler]) -> None:
         super().__init__()
         self.poolers = poolers
+        # registered as submodules, so ``.to(device)`` moves the heads (e.g. Dense) with it
+        self.pooler_modules = nn.ModuleDict(
+            {task: pooler for task, pooler in poolers.items() if isinstance(pooler, nn.Module)}
+        )
 
     def get_supported_tasks(self) -> tuple[PoolingTask, ...]:
         return tuple(self.poolers)

@@ -81,7 +81,7 @@ class SparsePooler(nn.Module):
 
     def pool(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [prompt_len, hidden]`` of one prompt -> ``[vocab_size]`` fp32 weights."""
-        pooled = torch.zeros(self.vocab_size, dtype=torch.float32)
+        pooled = torch.zeros(self.vocab_size, dtype=torch.float32, device=rows.device)
         for chunk in torch.split(rows, _ROWS_PER_CHUNK):
             x = self.mlm_logits(chunk).relu_().log1p_()  # [rows, vocab_size]
             if self.activation == "log1p_relu":

@@ -34,10 +34,13 @@ def build_input_batch(
     block_size: int,
     kv_caches: list[torch.Tensor] | None,
     max_position: int | None = None,
+    device: torch.device | None = None,
 ) -> InputBatch:
     """Concatenate the new tokens of every scheduled request, in batch order. Without a KV cache
     the batch is padded to ``padded_rows(num_tokens, max_position)`` rows (``max_position``: the
-    model's position limit, which the padding's positions stay below; None: no padding)."""
+    model's position limit, which the padding's positions stay below; None: no padding). The
+    tensors are built on the host and copied once to ``device`` (None: the host)."""
+    device = device or torch.device("cpu")
     input_ids: list[int] = []
     positions: list[int] = []
     query_start_loc = [0]
@@ -62,7 +65,7 @@ def build_input_batch(
     block_tables = None
     if kv_caches is not None:
         block_tables = [s.block_ids for s in scheduled]
-        slot_mapping = _slot_mapping(scheduled, positions_tensor, block_size)
+        slot_mapping = _slot_mapping(scheduled, positions_tensor, block_size).to(device)
     attention = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
@@ -71,11 +74,14 @@ def build_input_batch(
         block_tables=block_tables,
         block_size=block_size,
         kv_caches=kv_caches,
+        device=device,
     )
+    # .to: a no-op on the host
+    token_type_ids = torch.tensor(token_types, dtype=torch.long) if has_segments else None
     return InputBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long),
-        positions=positions_tensor,
-        token_type_ids=torch.tensor(token_types, dtype=torch.long) if has_segments else None,
+        input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
+        positions=positions_tensor.to(device),
+        token_type_ids=token_type_ids.to(device) if token_type_ids is not None else None,
         attention=attention,
         row_ends=query_start_loc[1:],
         num_tokens=num_tokens,

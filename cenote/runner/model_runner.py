@@ -56,6 +56,7 @@ class ModelRunner:
         self.model = model
         self.pooler = pooler
         self.kv_caches = kv_caches
+        self.device = torch.device(config.model.device)  # the model's: every step tensor's
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.lm_head: CausalLM | None = model if isinstance(model, CausalLM) else None
@@ -79,7 +80,7 @@ class ModelRunner:
         # 2) flat batch -> trunk
         scheduled = scheduler_output.scheduled
         batch = build_input_batch(
-            scheduled, self.block_size, self.kv_caches, self.config.model.max_model_len
+            scheduled, self.block_size, self.kv_caches, self.config.model.max_model_len, self.device
         )
         with forward_context(batch.attention):
             hidden = self.model(batch.input_ids, batch.positions, batch.token_type_ids)
@@ -122,6 +123,8 @@ class ModelRunner:
         )
         assert self.pooler is not None  # the engine admits pooling requests with a pooler only
         results = self.pooler(pooled_hidden, metadata)
+        if self.device.type != "cpu":
+            results = _to_host(results)
         return dict(zip(ids, results, strict=True))
 
     # ---- sampling branch --------------------------------------------------------------------
@@ -132,7 +135,7 @@ class ModelRunner:
         indices = [i for i, s in enumerate(scheduled) if s.needs_sample]
         if not indices:
             return
-        last_rows = torch.tensor([step.batch.row_ends[i] - 1 for i in indices])
+        last_rows = torch.tensor([step.batch.row_ends[i] - 1 for i in indices], device=self.device)
         logits = self.lm_head.compute_logits(step.hidden[last_rows])  # [num_rows, vocab]
         rows = [self._sampling_row(scheduled[i]) for i in indices]
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
@@ -163,7 +166,8 @@ class ModelRunner:
         if params.seed is not None:
             generator = self._generators.get(s.request_id)
             if generator is None:
-                generator = self._generators[s.request_id] = make_generator(params.seed)
+                generator = make_generator(params.seed, self.device)
+                self._generators[s.request_id] = generator
         masked = None
         if len(s.output_token_ids) < params.min_tokens:
             masked = list(params.stop_token_ids or [])
@@ -173,7 +177,7 @@ class ModelRunner:
         if params.logit_bias:
             bias = self._logit_biases.get(s.request_id)
             if bias is None:
-                bias = TokenBias.from_dict(params.logit_bias, self.vocab_size)
+                bias = TokenBias.from_dict(params.logit_bias, self.vocab_size, self.device)
                 self._logit_biases[s.request_id] = bias
         return SamplingRow(params, s.prompt_token_ids, s.output_token_ids, generator, masked, bias)
 
@@ -198,15 +202,25 @@ class ModelRunner:
             asked.append((s.request_id, end - s.start_position, params.prompt_logprobs))
         if not asked:
             return
-        logits = self.lm_head.compute_logits(step.hidden[torch.cat(rows)])  # [num_rows, vocab]
+        rows_index = torch.cat(rows).to(self.device)
+        logits = self.lm_head.compute_logits(step.hidden[rows_index])  # [num_rows, vocab]
         max_k = max(k for _, _, k in asked)
-        tensors = compute_prompt_logprobs(logits, torch.tensor(next_ids), max_k)
+        next_index = torch.tensor(next_ids, device=self.device)
+        tensors = compute_prompt_logprobs(logits, next_index, max_k)
         start = 0
         for request_id, num_rows, k in asked:
             output.prompt_logprobs[request_id] = _slice_logprobs(
                 tensors, start, start + num_rows, k
             )
             start += num_rows
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A step's pooled outputs copied to the host: one copy (one sync) when they share a shape
+    (embeddings, scores), else one each (per-token outputs)."""
+    if tensors and all(t.shape == tensors[0].shape for t in tensors):
+        return list(torch.stack(tensors).cpu().unbind(0))
+    return [t.cpu() for t in tensors]
 
 
 def _slice_logprobs(tensors: LogprobsTensors, start: int, end: int, k: int) -> LogprobsLists:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from cenote.kernels import quant_ops
+from cenote.platform import runs_cpu_kernels
 from cenote.sampling.metadata import AllowedTokens, BatchBias, SamplingMetadata
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]
@@ -140,16 +141,43 @@ def kernel_mask_allowed() -> MaskAllowed:
     with a JSON string's dense masks: see docs/performance.md (structured outputs)."""
     ops = quant_ops()
     if ops is None:
-        return numpy_mask_allowed
+        return host_or_device_mask_allowed
     kernel = ops.apply_token_bitmask_
 
     def mask(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> list[bool]:
-        if logits.dtype != torch.float32 or logits.stride(-1) != 1:
-            return numpy_mask_allowed(logits, rows, words)
+        if logits.dtype != torch.float32 or logits.stride(-1) != 1 or not runs_cpu_kernels(logits):
+            return host_or_device_mask_allowed(logits, rows, words)
         kept = kernel(logits, torch.tensor(rows, dtype=torch.int64), words.contiguous())
         return [bool(k) for k in kept.tolist()]
 
     return mask
+
+
+def host_or_device_mask_allowed(
+    logits: torch.Tensor, rows: list[int], words: torch.Tensor
+) -> list[bool]:
+    """numpy on host rows (reads them in place), torch on a device's."""
+    if logits.device.type == "cpu":
+        return numpy_mask_allowed(logits, rows, words)
+    return torch_mask_allowed(logits, rows, words)
+
+
+_TORCH_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def torch_mask_allowed(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> list[bool]:
+    """``kernel_mask_allowed``'s contract in torch ops, for logits on a device: the words
+    unpacked to a bool mask over the vocabulary (ids past ``32 W`` refused), one masked_fill."""
+    vocab = logits.shape[1]
+    words = words.to(logits.device)
+    shifts = _TORCH_BIT_SHIFTS.to(logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [k, 32 W]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    picked = logits.index_select(0, index).masked_fill_(~allowed[:, :vocab], float("-inf"))
+    logits.index_copy_(0, index, picked)
+    return [bool(k) for k in torch.isfinite(picked).any(dim=1).tolist()]
 
 
 def numpy_mask_allowed(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> list[bool]:

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from factories.decoders import FIRST_WORD_ID, GENERATION_VOCAB_SIZE
+from factories.device import engine_options
 from factories.texts import random_prompts as random_ids
 
 NUM_THREADS = 2  # the CI box has 2 cores; cenote and transformers use the same count
@@ -45,7 +46,8 @@ def make_llm(folder: Path, **kwargs):
     from cenote import LLM
 
     kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("num_threads", NUM_THREADS)
+    for name, value in engine_options().items():
+        kwargs.setdefault(name, value)
     return LLM(str(folder), **kwargs)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -11,6 +12,8 @@ from torch import nn
 from cenote.forward_context import AttentionMetadata, get_attention_metadata
 from cenote.models.layers.attention_kernels import attention_ops
 from cenote.models.layers.attention_plan import PagedPlan, paged_plan
+from cenote.models.layers.torch_varlen import varlen_applies, varlen_attention
+from cenote.platform import runs_cpu_kernels
 
 # Encoders only: ``mask_fn(rows, num_requests, length)`` -> a bool (True = attend) or additive
 # float mask broadcastable to [num_requests, heads, length, length] for the equal-length requests
@@ -100,6 +103,8 @@ class Attention(nn.Module):
         causal: bool,  # top-left aligned causal mask (q_len == kv_len), only without ``mask``
     ) -> torch.Tensor:
         """SDPA, or with ``softcap`` the same attention written out (SDPA cannot cap scores)."""
+        if mask is not None:
+            mask = mask.to(q.device)  # models build their masks on the host; a no-op there
         if self.softcap is None:
             return F.scaled_dot_product_attention(
                 q,
@@ -141,15 +146,20 @@ class Attention(nn.Module):
         if out is None:
             out = torch.empty_like(q)
             out[starts[-1] + lengths[-1] if lengths else 0 :].zero_()  # the batch's padding rows
-        ops = attention_ops()
-        if (
-            ops is not None
-            and q.device.type == "cpu"
-            and mask_fn is None
+        plain = (
+            mask_fn is None
             and self.softcap is None
             and (self.sliding_window is None or max(lengths) <= self.sliding_window)
-        ):
+        )
+        ops = attention_ops() if runs_cpu_kernels(q) else None
+        if ops is not None and plain:
             ops.varlen_attention(q, k, v, out, starts, lengths, self.scale, causal)
+            return out
+        if (
+            plain
+            and varlen_applies(q)
+            and self._attend_torch_varlen(q, k, v, starts, lengths, causal, out)
+        ):
             return out
         i = 0
         while i < len(lengths):
@@ -167,6 +177,36 @@ class Attention(nn.Module):
             ).reshape(group.stop - group.start, self.num_heads, self.head_dim)
             i = j + 1
         return out
+
+    def _attend_torch_varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        starts: list[int],
+        lengths: list[int],
+        causal: bool,
+        out: torch.Tensor,
+    ) -> bool:
+        """torch's varlen attention over adjacent requests (CUDA), into ``out``; False where
+        the requests are not one run of rows or this torch cannot express the call."""
+        first, end = starts[0], starts[-1] + lengths[-1]
+        if end - first != sum(lengths):  # decode rows between the prompts of a mixed step
+            return False
+        plans = get_attention_metadata().plans
+        key = ("torch_varlen", first, tuple(lengths))
+        cu_seq = plans.get(key)
+        if cu_seq is None:  # one host -> device copy per step, shared by the layers
+            offsets = [0, *itertools.accumulate(lengths)]
+            cu_seq = plans[key] = torch.tensor(offsets, dtype=torch.int32, device=q.device)
+        rows = slice(first, end)
+        result = varlen_attention(
+            q[rows], k[rows], v[rows], cu_seq, max(lengths), self.scale, causal
+        )
+        if result is None:
+            return False
+        out[rows] = result
+        return True
 
     def _window_mask(self, length: int, causal: bool) -> torch.Tensor | None:
         """[length, length] bool (True = attend) of a sliding-window layer's request of
@@ -222,13 +262,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """One-token queries of many requests at once: the C++ kernel reads each request's
         blocks in place; without it, a gather of the padded block tables."""
-        ops = attention_ops()
-        if (
-            ops is None
-            or q.device.type != "cpu"
-            or q.dtype != kv_cache.dtype
-            or q.dtype not in _KERNEL_DTYPES
-        ):
+        ops = attention_ops() if runs_cpu_kernels(q) else None
+        if ops is None or q.dtype != kv_cache.dtype or q.dtype not in _KERNEL_DTYPES:
             return self._attend_decode_gathered(q, kv_cache, plan)
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:
             q = q.contiguous()

@@ -48,7 +48,8 @@ class PagedPlan:
         """[num_decode, max_blocks * block_size] bool, True = not a key of the row."""
         assert self.decode_tables is not None
         assert self.decode_starts is not None and self.decode_ends is not None
-        positions = torch.arange(self.decode_tables.shape[1] * self.block_size).unsqueeze(0)
+        width = self.decode_tables.shape[1] * self.block_size
+        positions = torch.arange(width, device=self.decode_tables.device).unsqueeze(0)
         starts, ends = self.decode_starts.unsqueeze(1), self.decode_ends.unsqueeze(1)
         return (positions < starts) | (positions >= ends)
 
@@ -83,6 +84,7 @@ def _build_paged_plan(md: AttentionMetadata, window: int | None) -> PagedPlan:
             mask &= keys > queries - window
         blocks = torch.tensor(md.block_tables[i][first:], dtype=torch.long)
         rows = slice(md.query_start_loc[i], md.query_start_loc[i + 1])
+        blocks, mask = blocks.to(md.device), mask.to(md.device)  # no-ops on the CPU
         prefills.append(PrefillRow(rows, blocks, seq_len - first * size, mask))
     fresh_starts = [md.query_start_loc[i] for i in fresh]
     fresh_lengths = [lens[i] for i in fresh]
@@ -97,6 +99,9 @@ def _build_paged_plan(md: AttentionMetadata, window: int | None) -> PagedPlan:
     starts = torch.zeros_like(ends) if window is None else (ends - window).clamp_(min=0)
     decode_rows = torch.tensor([md.query_start_loc[i] for i in decode], dtype=torch.long)
     all_decode = len(decode) == len(lens)
+    # one host -> device copy each, shared by every layer; no-ops on the CPU
+    padded, starts, ends = padded.to(md.device), starts.to(md.device), ends.to(md.device)
+    decode_rows = decode_rows.to(md.device)
     return PagedPlan(
         size, decode_rows, all_decode, padded, starts, ends, fresh_starts, fresh_lengths, prefills
     )

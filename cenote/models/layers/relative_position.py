@@ -43,7 +43,7 @@ class RelativePositionBias(Embedding):
 
     def bias(self, length: int) -> torch.Tensor:
         """``[heads, length, length]`` bias of one request of ``length`` tokens."""
-        positions = torch.arange(length)
+        positions = torch.arange(length, device=self.weight.device)
         relative = positions[None, :] - positions[:, None]  # key - query
         buckets = relative_position_bucket(relative, self.num_buckets, self.max_distance)
         return self(buckets).permute(2, 0, 1)

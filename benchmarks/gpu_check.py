@@ -1,0 +1,181 @@
+"""cenote on a CUDA GPU, one table: the environment, MiniLM embeddings against
+sentence-transformers (fp32 reference, same GPU), greedy decode of a tiny random-weight Llama
+against transformers, and embedding throughput against sentence-transformers on the same GPU.
+
+Run by scripts/gpu_check.sh (which also runs the parity tests with CENOTE_TEST_DEVICE=cuda);
+exits 1 when a check misses its target. ``--out FILE`` also writes the table there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import torch
+import torch.nn.functional as F
+
+COSINE_TARGET = 0.9999  # fp32 vs sentence-transformers fp32 (DESIGN.md)
+BF16_COSINE_TARGET = 0.999  # the default dtype on the GPU
+NUM_TEXTS = 8192
+ST_BATCH_SIZES = (64, 256, 1024)
+
+rows: list[tuple[str, str, str]] = []  # (check, result, verdict)
+failed: list[str] = []
+
+
+def record(check: str, result: str, ok: bool | None = None) -> None:
+    verdict = "" if ok is None else ("ok" if ok else "FAIL")
+    rows.append((check, result, verdict))
+    if ok is False:
+        failed.append(check)
+    print(f"{check}: {result} {verdict}", flush=True)
+
+
+def probe() -> None:
+    import triton
+
+    from cenote.models.layers.torch_varlen import varlen_available
+
+    props = torch.cuda.get_device_properties(0)
+    record("GPU", f"{props.name}, {props.total_memory >> 30} GiB, cc {props.major}.{props.minor}")
+    record(
+        "torch / CUDA / Triton",
+        f"{torch.__version__} / {torch.version.cuda} / {triton.__version__}",
+    )
+    record("torch varlen_attn", "available" if varlen_available() else "absent (SDPA per length)")
+
+
+def corpus() -> list[str]:
+    from factories.texts import PARITY_TEXTS, PROSE
+
+    words = " ".join(PROSE).split()
+    generator = torch.Generator().manual_seed(0)
+    texts = list(PARITY_TEXTS)
+    while len(texts) < NUM_TEXTS:
+        start = int(torch.randint(0, len(words) - 8, (1,), generator=generator))
+        length = int(torch.randint(4, 120, (1,), generator=generator))
+        texts.append(" ".join(words[start : start + length]))
+    return texts
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def embeddings() -> None:
+    from factories.texts import PARITY_TEXTS
+    from sentence_transformers import SentenceTransformer
+
+    from cenote import LLM
+    from cenote.config import default_model_path
+
+    path = str(default_model_path())
+    st = SentenceTransformer(path, device="cuda").float().eval()
+    reference = st.encode(PARITY_TEXTS, batch_size=32, convert_to_tensor=True).float().cpu()
+    for dtype, target in (("float32", COSINE_TARGET), ("auto", BF16_COSINE_TARGET)):
+        llm = LLM(device="cuda", dtype=dtype)
+        got = torch.tensor(
+            [
+                o.outputs.embedding
+                for o in llm.embed(PARITY_TEXTS, truncate_prompt_tokens=-1, use_tqdm=False)
+            ]
+        )
+        cosine = F.cosine_similarity(got, reference, dim=-1).min().item()
+        name = str(llm.engine.config.model.dtype).removeprefix("torch.")
+        record(
+            f"MiniLM cosine vs ST fp32 ({name})",
+            f"min {cosine:.6f} (>= {target})",
+            cosine >= target,
+        )
+        if dtype == "auto":
+            throughput(llm, st)
+        del llm
+        torch.cuda.empty_cache()
+
+
+def throughput(llm, st) -> None:
+    texts = corpus()
+    llm.embed(texts[:512], truncate_prompt_tokens=-1, use_tqdm=False)  # warm-up
+    ours = len(texts) / timed(lambda: llm.embed(texts, truncate_prompt_tokens=-1, use_tqdm=False))
+    st_rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        st.to(dtype)
+        for batch in ST_BATCH_SIZES:
+            st.encode(texts[:512], batch_size=batch)  # warm-up
+            elapsed = timed(lambda b=batch: st.encode(texts, batch_size=b, convert_to_tensor=True))
+            st_rates[(str(dtype).removeprefix("torch."), batch)] = len(texts) / elapsed
+    (best_dtype, best_batch), best = max(st_rates.items(), key=lambda item: item[1])
+    record(f"embed texts/s, {len(texts)} texts: cenote (bf16)", f"{ours:,.0f}")
+    for (dtype, batch), rate in st_rates.items():
+        record(f"embed texts/s: sentence-transformers {dtype} batch {batch}", f"{rate:,.0f}")
+    record(
+        "cenote / best sentence-transformers",
+        f"{ours / best:.2f}x (ST best: {best_dtype}, batch {best_batch}; target 1.5x)",
+    )
+
+
+def greedy() -> None:
+    from factories.decoders import make_decoder
+    from factories.generation import hf_greedy, random_prompts, token_prompts
+
+    from cenote import LLM, SamplingParams
+
+    folder = Path(tempfile.mkdtemp())
+    theirs = make_decoder(folder, "llama")
+    prompts = random_prompts([1, 5, 9, 17, 30], seed=1)
+    expected = hf_greedy(theirs, prompts, 24)
+    llm = LLM(str(folder), device="cuda", dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = [
+        llm.generate(token_prompts([p]), params, use_tqdm=False)[0].outputs[0].token_ids
+        for p in prompts
+    ]
+    batched = [
+        o.outputs[0].token_ids for o in llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    ]
+    same = sum(a == e for a, e in zip(alone, expected, strict=True))
+    same_batched = sum(b == e for b, e in zip(batched, expected, strict=True))
+    record(
+        "tiny Llama greedy vs transformers (fp32, paged KV)",
+        f"{same}/{len(prompts)} alone, {same_batched}/{len(prompts)} batched token-identical",
+        same == same_batched == len(prompts),
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 1
+    for step in (probe, embeddings, greedy):
+        try:
+            step()
+        except Exception as e:  # one broken check must not hide the others' results
+            traceback.print_exc()
+            record(step.__name__, f"raised {type(e).__name__}: {e}", False)
+    table = ["| check | result | |", "| --- | --- | --- |"]
+    table += [f"| {check} | {result} | {verdict} |" for check, result, verdict in rows]
+    text = "\n".join(table) + "\n"
+    print("\n" + text)
+    if args.out is not None:
+        args.out.write_text(text, encoding="utf-8")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

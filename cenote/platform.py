@@ -1,0 +1,66 @@
+"""The device seam: which device the engine runs on, and what that decides (the default dtype,
+which options exist, whether cenote's CPU kernels may take a tensor).
+
+Resolved once at the edge (``EngineArgs.create_engine_config``); the rest of the engine reads
+``ModelConfig.device`` or the device of the tensors it is handed, never asks torch again.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+
+DeviceName = Literal["auto", "cpu", "cuda"]
+DEVICE_NAMES: tuple[str, ...] = get_args(DeviceName)
+
+# bf16 tensor cores start with Ampere (compute capability 8.0); below, fp16 is the fast type
+_CUDA_BF16_CAPABILITY = (8, 0)
+
+
+def resolve_device(name: str) -> Literal["cpu", "cuda"]:
+    """``auto`` -> ``cuda`` when torch sees a CUDA device, else ``cpu``; ``cuda`` without one is
+    refused (naming the option)."""
+    if name not in DEVICE_NAMES:
+        raise ValueError(f"device must be one of {', '.join(DEVICE_NAMES)}, got {name!r}")
+    available = torch.cuda.is_available()
+    if name == "auto":
+        return "cuda" if available else "cpu"
+    if name == "cuda" and not available:
+        raise ValueError(
+            "device='cuda' (--device cuda) but torch sees no CUDA device (torch "
+            f"{torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); use "
+            "device='cpu' or 'auto'"
+        )
+    return "cuda" if name == "cuda" else "cpu"
+
+
+def cuda_default_dtype() -> torch.dtype:
+    """bf16 on compute capability >= 8.0 (bf16 tensor cores), else fp16."""
+    capability = torch.cuda.get_device_capability()
+    return torch.bfloat16 if capability >= _CUDA_BF16_CAPABILITY else torch.float16
+
+
+def check_device_options(device: str, *, num_threads: int | None, quantization: str) -> None:
+    """Refuse the options that have no path on ``device`` (ValueError naming the option). A
+    GGUF's quantized tensors with quantization='auto' load dense there (the loader decides)."""
+    if device == "cpu":
+        return
+    if num_threads is not None:
+        raise ValueError(
+            f"num_threads (--num-threads {num_threads}) sets the torch threads of CPU compute; "
+            f"with device={device!r} the model runs on the GPU: leave num_threads unset or use "
+            "device='cpu'"
+        )
+    if quantization in ("int8", "int4", "w8a8"):
+        raise ValueError(
+            f"quantization={quantization!r} (--quantization) multiplies on cenote's CPU "
+            f"kernels, which have no {device} path yet; use quantization='none' (or 'auto') "
+            "or device='cpu'"
+        )
+
+
+def runs_cpu_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether cenote's C++ kernels may take these tensors: all on the CPU. The one device
+    decision of every kernel call site (the kernels read raw host pointers)."""
+    return all(t.device.type == "cpu" for t in tensors)

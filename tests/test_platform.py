@@ -1,0 +1,209 @@
+"""The device seam: choosing the device and dtype, refusing what has no CUDA path, and the
+dispatch that never hands a tensor off the host to cenote's C++ kernels (checked with ``meta``
+tensors, which no CPU kernel can read)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from factories.decoders import make_decoder
+from factories.texts import PARITY_TEXTS
+
+from cenote.config import resolve_dtype
+from cenote.engine_args import EngineArgs
+from cenote.forward_context import AttentionMetadata, forward_context
+from cenote.models.layers import attention as attention_module
+from cenote.models.layers.attention import Attention
+from cenote.models.layers.attention_plan import paged_plan
+from cenote.models.layers.norm import LayerNorm
+from cenote.platform import check_device_options, resolve_device, runs_cpu_kernels
+from cenote.runner.batch import build_input_batch
+from cenote.sampling.sampler import numpy_mask_allowed, torch_mask_allowed
+from cenote.scheduler.output import ScheduledRequest
+
+
+def _cuda(monkeypatch: pytest.MonkeyPatch, available: bool, capability=(9, 0)) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+
+
+# ---- choosing the device and dtype -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("asked", "available", "expected"),
+    [("auto", True, "cuda"), ("auto", False, "cpu"), ("cpu", True, "cpu"), ("cuda", True, "cuda")],
+)
+def test_device_resolution(monkeypatch, asked, available, expected) -> None:
+    _cuda(monkeypatch, available)
+    assert resolve_device(asked) == expected
+
+
+def test_cuda_without_a_device_is_refused_naming_the_option(monkeypatch) -> None:
+    _cuda(monkeypatch, False)
+    with pytest.raises(ValueError, match=r"device='cuda' \(--device cuda\).*no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda, got 'tpu'"):
+        resolve_device("tpu")
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"),
+    [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16), ((7, 5), torch.float16)],
+)
+def test_auto_dtype_on_cuda_follows_compute_capability(monkeypatch, capability, expected) -> None:
+    _cuda(monkeypatch, True, capability)
+    assert resolve_dtype("auto", "cuda") == expected
+    assert resolve_dtype("float32", "cuda") == torch.float32  # an explicit dtype wins
+
+
+def test_cpu_options_and_cpu_kernels_are_refused_on_cuda() -> None:
+    with pytest.raises(ValueError, match=r"num_threads \(--num-threads 4\).*device='cuda'"):
+        check_device_options("cuda", num_threads=4, quantization="auto")
+    for method in ("int8", "int4", "w8a8"):
+        with pytest.raises(ValueError, match=f"quantization='{method}'.*no cuda path"):
+            check_device_options("cuda", num_threads=None, quantization=method)
+    check_device_options("cuda", num_threads=None, quantization="none")
+    check_device_options("cpu", num_threads=4, quantization="w8a8")  # the CPU has them all
+
+
+def test_engine_args_resolve_the_device_before_reading_the_model(
+    monkeypatch, minilm_path: Path
+) -> None:
+    _cuda(monkeypatch, True)
+    with pytest.raises(ValueError, match="num_threads"):
+        EngineArgs(str(minilm_path), device="cuda", num_threads=2).create_engine_config()
+    _cuda(monkeypatch, False)
+    config = EngineArgs(str(minilm_path), device="auto").create_engine_config()
+    assert config.model.device == "cpu"
+    with pytest.raises(TypeError, match="option device must be one of 'auto', 'cpu', 'cuda'"):
+        EngineArgs(str(minilm_path), device="gpu")  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_args(["--device", "cuda"]).device == "cuda"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--device", "gpu"])
+
+
+def test_data_parallel_engine_cores_are_refused_on_one_gpu(minilm_path: Path) -> None:
+    pytest.importorskip("zmq", reason="the server's dependencies (a GPU box may lack them)")
+    from cenote.engine.dp_client import split_cores
+
+    config = EngineArgs(str(minilm_path), device="cpu").create_engine_config()
+    cuda = dataclasses.replace(config, model=dataclasses.replace(config.model, device="cuda"))
+    with pytest.raises(ValueError, match="data_parallel_size 2 .* share one GPU"):
+        split_cores(cuda, 2)
+    assert len(split_cores(config, 1)) == 1
+
+
+# ---- the kernel dispatch -----------------------------------------------------------------------
+
+
+def test_the_kernel_decision_is_by_device() -> None:
+    cpu, meta = torch.zeros(2), torch.zeros(2, device="meta")
+    assert runs_cpu_kernels(cpu) and runs_cpu_kernels(cpu, cpu)
+    assert not runs_cpu_kernels(meta) and not runs_cpu_kernels(cpu, meta)
+    norm = LayerNorm(8).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert norm.runs_in_place(torch.zeros(3, 8, dtype=torch.bfloat16))
+        assert not norm.runs_in_place(torch.zeros(3, 8, dtype=torch.bfloat16, device="meta"))
+
+
+class _SpyOps:
+    """Stands for the C++ attention ops: records each call's device, answers like them."""
+
+    def __init__(self) -> None:
+        self.devices: list[str] = []
+
+    def varlen_attention(self, q, k, v, out, starts, lengths, scale, causal) -> None:
+        self.devices.append(q.device.type)
+
+    def paged_attention(self, q, *args) -> torch.Tensor:
+        self.devices.append(q.device.type)
+        return torch.empty_like(q)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_attention_hands_only_host_tensors_to_the_kernels(monkeypatch, device) -> None:
+    spy = _SpyOps()
+    monkeypatch.setattr(attention_module, "attention_ops", lambda: spy)
+    layer = Attention(num_heads=4, head_dim=8, num_kv_heads=2, layer_idx=0, scale=0.35)
+    q = torch.randn(7, 32, device=device)
+    k, v = torch.randn(7, 16, device=device), torch.randn(7, 16, device=device)
+    metadata = AttentionMetadata(query_start_loc=[0, 3, 7], seq_lens=[3, 4], causal=False)
+    with forward_context(metadata):
+        out = layer(q, k, v)
+    assert out.shape == (7, 32) and out.device.type == device
+    assert spy.devices == (["cpu"] if device == "cpu" else [])  # meta: SDPA, never the kernel
+
+
+def _scheduled(request_id: str, new: list[int], start: int, blocks: list[int]) -> ScheduledRequest:
+    prompt = [1] * start + new
+    return ScheduledRequest(
+        request_id, new, start, blocks, prompt, [], None, None, None, None, True, True
+    )
+
+
+def test_step_tensors_and_plans_live_on_the_model_device() -> None:
+    requests = [_scheduled("a", [5], 4, [0, 2]), _scheduled("b", [6, 7, 8], 0, [1])]
+    kv = [torch.zeros(2, 2, 4, 4, 8, device="meta")]
+    batch = build_input_batch(requests, 4, kv, device=torch.device("meta"))
+    for tensor in (batch.input_ids, batch.positions, batch.attention.slot_mapping):
+        assert tensor is not None and tensor.device.type == "meta"
+    plan = paged_plan(batch.attention)
+    assert plan.decode_tables is not None and plan.decode_tables.device.type == "meta"
+    assert plan.decode_ends is not None and plan.decode_ends.device.type == "meta"
+    assert plan.decode_padding.device.type == "meta"
+    host = build_input_batch(requests, 4, [torch.zeros(2, 2, 4, 4, 8)])
+    assert host.attention.slot_mapping is not None
+    assert host.attention.slot_mapping.tolist() == [2 * 4 + 0, 4, 5, 6]
+
+
+def test_structured_outputs_mask_on_a_device_matches_the_host_one() -> None:
+    vocab = 75  # two whole words and a partial one, plus ids past the bitmask when W = 2
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=generator)
+    words = torch.randint(-(2**31), 2**31 - 1, (2, 3), dtype=torch.int32, generator=generator)
+    words[1] = 0  # a row that refuses every token
+    for width in (3, 2):
+        expected, got = logits.clone(), logits.clone()
+        kept_numpy = numpy_mask_allowed(expected, [2, 0], words[:, :width])
+        kept_torch = torch_mask_allowed(got, [2, 0], words[:, :width])
+        assert kept_torch == kept_numpy == [True, False]
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_minilm_on_cuda_in_its_default_dtype_matches_sentence_transformers(
+    st_embeddings: torch.Tensor,
+) -> None:
+    from cenote import LLM
+
+    llm = LLM(device="cuda")
+    model_config = llm.engine.config.model
+    assert model_config.device == "cuda" and model_config.dtype == torch.bfloat16
+    assert all(p.device.type == "cuda" for p in llm.engine.model.parameters())
+    outputs = llm.embed(PARITY_TEXTS, truncate_prompt_tokens=-1, use_tqdm=False)
+    ours = torch.tensor([o.outputs.embedding for o in outputs])
+    cosine = F.cosine_similarity(ours, st_embeddings.cpu(), dim=-1)
+    assert cosine.min().item() >= 0.999
+
+
+@pytest.mark.gpu
+def test_tiny_llama_greedy_on_cuda_keeps_its_kv_cache_there(tmp_path: Path) -> None:
+    from cenote import LLM, SamplingParams
+
+    make_decoder(tmp_path, "llama")
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32")
+    assert all(kv.device.type == "cuda" for kv in llm.engine.runner.kv_caches or [])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 8
