@@ -46,13 +46,19 @@ def split_windows(
             f"text, which must be more than chunk_overlap={overlap}"
         )
     front, body, back = list(ids[:head]), ids[head : len(ids) - tail], list(ids[len(ids) - tail :])
-    windows = []
-    start = 0
+    return [front + list(body[a:b]) + back for a, b in window_spans(len(body), room, overlap)]
+
+
+def window_spans(length: int, room: int, overlap: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of the windows of at most ``room`` tokens over ``length`` tokens, each
+    sharing ``overlap`` with the one before (``room > overlap``); at least one window."""
+    spans, start = [], 0
     while True:
-        windows.append(front + list(body[start : start + room]) + back)
-        if start + room >= len(body):
-            return windows
-        start += room - overlap
+        end = min(start + room, length)
+        spans.append((start, end))
+        if end >= length:
+            return spans
+        start = end - overlap
 
 
 def join_windows(outputs: Sequence[torch.Tensor], plan: ChunkPlan) -> torch.Tensor:

@@ -11,8 +11,18 @@ from functools import cached_property, lru_cache
 from tokenizers import Encoding, Tokenizer
 
 from cenote.config import ModelConfig
+from cenote.engine.chunking import window_spans
 from cenote.errors import InvalidInputError
 from cenote.models.colbert import TextRole, colbert_prompts
+
+# the names a sentence-transformers folder gives a role's prompt, first found wins (as
+# sentence-transformers' encode_query / encode_document look them up)
+ROLE_PROMPT_NAMES: dict[str, tuple[str, ...]] = {
+    "query": ("query",),
+    "document": ("document", "passage", "corpus"),
+    "classification": ("classification",),
+    "clustering": ("clustering",),
+}
 
 
 @dataclass
@@ -57,6 +67,12 @@ class PromptTokenizer:
                 "config_sentence_transformers.json); pass prompt for a literal instruction"
             )
         return self.model_prompts[prompt_name]
+
+    def role_prompt_name(self, role: str, *more: str) -> str | None:
+        """The model's prompt for ``role`` (``ROLE_PROMPT_NAMES``, then ``more`` names), None
+        when it has none."""
+        names = (*ROLE_PROMPT_NAMES[role], *more)
+        return next((n for n in names if n in self.model_prompts), None)
 
     def texts(
         self,
@@ -173,9 +189,8 @@ class PromptTokenizer:
             length = len(document.ids)
             if max_tokens_per_doc is not None:
                 length = min(length, max_tokens_per_doc)
-            windows, start = [], 0
-            while True:
-                end = min(start + room, length)
+            windows = []
+            for start, end in window_spans(length, room, overlap):
                 window = Encoding.merge([document], growing_offsets=False)  # a copy to cut
                 window.truncate(end, direction="right")
                 window.truncate(end - start, direction="left")
@@ -183,9 +198,6 @@ class PromptTokenizer:
                 token_types = list(pair.type_ids) if self.uses_token_type_ids else None
                 truncated = end < len(document.ids)
                 windows.append(TokenizedPrompt(None, list(pair.ids), token_types, 0, truncated))
-                if end >= length:
-                    break
-                start = end - overlap
             results.append(windows)
         return results
 

@@ -117,7 +117,7 @@ class LLM:
     ) -> list[PoolingRequestOutput[EmbeddingOutput]]:
         """``embed`` with the model's ``query`` prompt when it has one (sentence-transformers'
         ``encode_query``); ``prompt_name`` / ``prompt`` given override it."""
-        return self.embed(prompts, pooling_params, **self._role_prompt(("query",), options))
+        return self.embed(prompts, pooling_params, **self._role_prompt("query", options))
 
     def embed_documents(
         self,
@@ -128,16 +128,13 @@ class LLM:
         """``embed`` with the model's ``document``, ``passage`` or ``corpus`` prompt, the first
         it has (sentence-transformers' ``encode_document``); ``prompt_name`` / ``prompt``
         given override it."""
-        roles = ("document", "passage", "corpus")
-        return self.embed(prompts, pooling_params, **self._role_prompt(roles, options))
+        return self.embed(prompts, pooling_params, **self._role_prompt("document", options))
 
-    def _role_prompt(self, names: tuple[str, ...], options: PoolOptions) -> PoolOptions:
-        """``options`` with ``prompt_name`` the first of ``names`` the model has, unless the
-        caller chose a prompt."""
+    def _role_prompt(self, role: str, options: PoolOptions) -> PoolOptions:
+        """``options`` with the model's prompt for ``role``, unless the caller chose one."""
         if options.get("prompt_name") is not None or options.get("prompt") is not None:
             return options
-        known = self.input_processor.prompts.model_prompts
-        name = next((n for n in names if n in known), None)
+        name = self.input_processor.prompts.role_prompt_name(role)
         return {**options, "prompt_name": name} if name is not None else options
 
     def embed_sparse(

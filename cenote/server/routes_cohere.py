@@ -26,15 +26,6 @@ router = APIRouter(route_class=JSONRoute)
 InputType = Literal["search_query", "search_document", "classification", "clustering", "image"]
 EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 
-# input_type -> the names a sentence-transformers folder gives that prompt, first found wins
-# (the document names as sentence-transformers' encode_document looks them up)
-PROMPT_NAMES: dict[str, tuple[str, ...]] = {
-    "search_query": ("query", "search_query"),
-    "search_document": ("document", "passage", "corpus", "search_document"),
-    "classification": ("classification",),
-    "clustering": ("clustering",),
-}
-
 
 class CohereEmbedRequest(_Body):
     """POST /v2/embed (Cohere Embed v2)."""
@@ -109,9 +100,8 @@ def _prompt_of(state: ServerState, input_type: str) -> tuple[str | None, str | N
     configured = state.options.input_type_prompts or {}
     if input_type in configured:
         return None, configured[input_type]
-    model_prompts = state.processor().prompts.model_prompts
-    name = next((n for n in PROMPT_NAMES[input_type] if n in model_prompts), None)
-    return name, None
+    role = input_type.removeprefix("search_")  # search_query -> the query prompt
+    return state.processor().prompts.role_prompt_name(role, input_type), None
 
 
 def _encode(floats: np.ndarray, kind: str) -> list[Any]:
