@@ -254,3 +254,24 @@ def test_a_small_request_runs_beside_a_big_generation_request(llama_server):
     assert small.status_code == 200, small.text
     assert len(chunks) > 400, chunks[:1]  # about one chunk per token
     assert chunks_then < len(chunks) // 4, (chunks_then, len(chunks))
+
+
+def test_streamed_events_match_the_declared_schema(llama_server):
+    """A streamed response documents the schema of one SSE event, as schemathesis and OpenAPI
+    3.2's ``itemSchema`` read it (a plain string made every streamed 200 a violation)."""
+    import jsonschema
+
+    spec = httpx.get(f"{llama_server.url}/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):  # both declare the same event
+        content = spec["paths"][path]["post"]["responses"]["200"]["content"]
+        assert content["text/event-stream"]["schema"]["required"] == ["data"]
+    event_schema = content["text/event-stream"]["schema"]
+    body = {"prompt": "w5 w6 w7", "max_tokens": 4, "stream": True}
+    url = f"{llama_server.url}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    events = [{"data": line.removeprefix("data: ")} for line in lines]
+    assert events[-1]["data"] == "[DONE]" and len(events) >= 2
+    for event in events:
+        jsonschema.validate(event, event_schema)
