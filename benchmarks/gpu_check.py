@@ -1,6 +1,7 @@
 """cenote on a CUDA GPU, one table: the environment, MiniLM embeddings against
 sentence-transformers (fp32 reference, same GPU), greedy decode of a tiny random-weight Llama
-against transformers, and embedding throughput against sentence-transformers on the same GPU.
+against transformers, embedding throughput against sentence-transformers and decode throughput
+against transformers ``generate`` (1 / 16 / 64 streams) on the same GPU.
 
 Run by scripts/gpu_check.sh (which also runs the parity tests with CENOTE_TEST_DEVICE=cuda);
 exits 1 when a check misses its target. ``--out FILE`` also writes the table there.
@@ -17,7 +18,6 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch
@@ -155,6 +155,70 @@ def greedy() -> None:
     )
 
 
+DECODE_SHAPE = dict(  # SmolLM2-135M's shape; random weights, so nothing is carried to the GPU
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+)
+DECODE_STREAMS = (1, 16, 64)
+PROMPT_TOKENS, NEW_TOKENS = 32, 128
+DECODE_TARGET = 2.0  # cenote / transformers generate at 16 streams
+
+
+def decode_throughput() -> None:
+    """Tokens/s of greedy decode, bf16, ``NEW_TOKENS`` a stream after ``PROMPT_TOKENS``-token
+    prompts: cenote (paged KV, the Triton decode kernel) against transformers ``generate``
+    (its default dynamic cache), each warmed up once at every stream count."""
+    from factories.decoders import make_decoder
+
+    from cenote import LLM, SamplingParams
+
+    folder = Path(tempfile.mkdtemp())
+    theirs = make_decoder(folder, "llama", **DECODE_SHAPE)
+    theirs = theirs.to("cuda", torch.bfloat16).eval()
+    llm = LLM(str(folder), device="cuda", dtype="bfloat16")
+    gen = torch.Generator().manual_seed(0)
+    for streams in DECODE_STREAMS:
+        ids = torch.randint(3, DECODE_SHAPE["vocab_size"], (streams, PROMPT_TOKENS), generator=gen)
+        prompts = [{"prompt_token_ids": row.tolist()} for row in ids]
+
+        def ours(new: int, prompts: list[dict] = prompts) -> None:
+            params = SamplingParams(
+                temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False
+            )
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == new for o in outputs)
+
+        def reference(new: int, ids: torch.Tensor = ids.cuda()) -> None:
+            with torch.inference_mode():
+                out = theirs.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            assert out.shape[1] == PROMPT_TOKENS + new
+
+        rates = {}
+        for name, run in (("cenote", ours), ("transformers", reference)):
+            run(8)  # warm-up
+            rates[name] = streams * NEW_TOKENS / timed(lambda run=run: run(NEW_TOKENS))
+        ratio = rates["cenote"] / rates["transformers"]
+        at_target = streams == 16
+        record(
+            f"decode tok/s, {streams} streams x {NEW_TOKENS} (bf16, SmolLM2 shape): cenote",
+            f"{rates['cenote']:,.0f} vs transformers {rates['transformers']:,.0f}: {ratio:.2f}x"
+            + (f" (target {DECODE_TARGET}x)" if at_target else ""),
+            ratio >= DECODE_TARGET if at_target else None,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path)
@@ -162,7 +226,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 1
-    for step in (probe, embeddings, greedy):
+    for step in (probe, embeddings, greedy, decode_throughput):
         try:
             step()
         except Exception as e:  # one broken check must not hide the others' results

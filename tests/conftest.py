@@ -9,6 +9,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run under its interpreter where the tests run on the CPU: Triton decides when
+# it decorates a kernel (its own standard library's too, on import), so before anything imports it
+if os.environ.get("CENOTE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path
 

@@ -13,6 +13,7 @@ from cenote.forward_context import AttentionMetadata, get_attention_metadata
 from cenote.models.layers.attention_kernels import attention_ops
 from cenote.models.layers.attention_plan import PagedPlan, paged_plan
 from cenote.models.layers.torch_varlen import varlen_applies, varlen_attention
+from cenote.models.layers.triton_attention import triton_paged_decode
 from cenote.platform import runs_cpu_kernels
 
 # Encoders only: ``mask_fn(rows, num_requests, length)`` -> a bool (True = attend) or additive
@@ -260,15 +261,31 @@ class Attention(nn.Module):
     def _attend_decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, plan: PagedPlan
     ) -> torch.Tensor:
-        """One-token queries of many requests at once: the C++ kernel reads each request's
-        blocks in place; without it, a gather of the padded block tables."""
+        """One-token queries of many requests at once: a kernel reads each request's blocks in
+        place (the C++ one on the CPU, the Triton one on CUDA); without one, a gather of the
+        padded block tables."""
+        assert plan.decode_tables is not None  # a plan with decode rows has all three
+        assert plan.decode_starts is not None and plan.decode_ends is not None
+        if q.dtype != kv_cache.dtype:
+            return self._attend_decode_gathered(q, kv_cache, plan)
+        if q.device.type == "cuda":
+            paged_decode = triton_paged_decode()
+            if paged_decode is None:
+                return self._attend_decode_gathered(q, kv_cache, plan)
+            return paged_decode(
+                q,
+                kv_cache,
+                plan.decode_tables,
+                plan.decode_starts,
+                plan.decode_ends,
+                self.scale,
+                self.softcap or 0.0,
+            )
         ops = attention_ops() if runs_cpu_kernels(q) else None
-        if ops is None or q.dtype != kv_cache.dtype or q.dtype not in _KERNEL_DTYPES:
+        if ops is None or q.dtype not in _KERNEL_DTYPES:
             return self._attend_decode_gathered(q, kv_cache, plan)
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:
             q = q.contiguous()
-        assert plan.decode_tables is not None  # a plan with decode rows has all three
-        assert plan.decode_starts is not None and plan.decode_ends is not None
         return ops.paged_attention(
             q,
             kv_cache,
