@@ -1,9 +1,9 @@
+# mypy: allow-untyped-defs, allow-incomplete-defs
 """The Triton kernel of ``triton_attention.paged_decode`` (see there), in a module of its own:
 Triton reads the kernel's globals (``tl``) when it compiles or interprets it, and decides
 between the two when the kernel is decorated, so this module is imported on first use, after
-``TRITON_INTERPRET`` is set where it is wanted."""
-
-from typing import Any
+``TRITON_INTERPRET`` is set where it is wanted. Its parameters carry no annotations: Triton
+reads them as types (only ``tl.constexpr`` may be written)."""
 
 import triton
 import triton.language as tl
@@ -11,30 +11,30 @@ import triton.language as tl
 
 @triton.jit  # type: ignore[untyped-decorator]
 def paged_decode_kernel(  # noqa: PLR0913  (a kernel takes its tensors' strides one by one)
-    q_ptr: Any,
-    kv_ptr: Any,
-    tables_ptr: Any,
-    starts_ptr: Any,
-    ends_ptr: Any,
-    out_ptr: Any,
-    scale: Any,
-    softcap: Any,
-    stride_q_row: Any,
-    stride_q_head: Any,
-    stride_kv_half: Any,
-    stride_kv_head: Any,
-    stride_kv_block: Any,
-    stride_kv_pos: Any,
-    stride_table_row: Any,
-    stride_out_row: Any,
-    stride_out_head: Any,
+    q_ptr,
+    kv_ptr,
+    tables_ptr,
+    starts_ptr,
+    ends_ptr,
+    out_ptr,
+    scale,
+    softcap,
+    stride_q_row,
+    stride_q_head,
+    stride_kv_half,
+    stride_kv_head,
+    stride_kv_block,
+    stride_kv_pos,
+    stride_table_row,
+    stride_out_row,
+    stride_out_head,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_SIZE: tl.constexpr,
     SOFTCAP: tl.constexpr,
-) -> None:
+):
     row = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
