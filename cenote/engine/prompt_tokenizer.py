@@ -132,7 +132,10 @@ class PromptTokenizer:
             truncated = len(encoding.ids) > room
             if truncated:
                 encoding.truncate(room, direction=side)
-            results[i] = (self.tokenizer.post_process(encoding, None, add_special_tokens), truncated)
+            results[i] = (
+                self.tokenizer.post_process(encoding, None, add_special_tokens),
+                truncated,
+            )
         return results
 
     def pairs(
