@@ -41,6 +41,9 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
         "T5EncoderModel": ("t5_encoder", "T5EncoderModel"),
         "MT5EncoderModel": ("t5_encoder", "T5EncoderModel"),
         "DebertaV2Model": ("deberta_v2", "DebertaV2Model"),
+        # GTE v1.5 / multilingual: Alibaba-NLP's remote-code name and transformers' native one
+        "NewModel": ("gte", "GteModel"),
+        "GteModel": ("gte", "GteModel"),
         # EmbeddingGemma: the Gemma 3 trunk as a (bidirectional) encoder
         "Gemma3TextModel": ("gemma3", "Gemma3TextModel"),
     },
@@ -67,6 +70,8 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
             "deberta_v2",
             "DebertaV2ForSequenceClassification",
         ),
+        "NewForSequenceClassification": ("gte", "GteForSequenceClassification"),
+        "GteForSequenceClassification": ("gte", "GteForSequenceClassification"),
     },
     (False, ("token_classify",)): {
         "BertForTokenClassification": ("bert_classifiers", "BertForTokenClassification"),
