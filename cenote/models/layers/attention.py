@@ -69,8 +69,11 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.causal = causal
-        # fp32 on the host, as the scale: ``.to(dtype)`` of the model leaves it alone
-        self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes)
+        # fp32 on the host (explicitly: a ``meta`` build keeps it), not a buffer: ``to_empty``
+        # and ``.to(dtype)`` of the model leave it alone
+        self.alibi_slopes = (
+            None if alibi_slopes is None else torch.tensor(alibi_slopes, device="cpu")
+        )
         attention_ops()  # build or load the kernels with the model, not on its first request
 
     def forward(
