@@ -21,12 +21,14 @@ import torch.nn.functional as F
 import transformers
 from conftest import NUM_THREADS
 from factories.encoder_zoo import TEXTS
-from factories.gte import make_gte
+from factories.gte import make_gte, ntk_inv_freq
 from factories.st_folders import save_sentence_transformer
 from factories.texts import random_prompts
 from safetensors.torch import load_file
 
 from cenote import LLM, PoolingParams
+from cenote.models.gte import rope_settings
+from cenote.models.layers.rotary import RotaryEmbedding
 
 ATOL = 1e-4  # DESIGN.md §3: hidden states / logits vs transformers, fp32
 PROBS_ATOL = 1e-5  # DESIGN.md §3: classifier probabilities, fp32
@@ -90,6 +92,18 @@ def test_ntk_scaling_changes_the_output(trunk, tmp_path: Path) -> None:
     (scaled,) = _token_embed(llm, prompts)
     (unscaled,) = _token_embed(_llm(plain), prompts)
     assert (scaled - unscaled).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("mixed_b", [None, 0.75])
+@pytest.mark.parametrize("factor", [2.0, 8.0])
+def test_ntk_frequencies(factor: float, mixed_b: float | None) -> None:
+    """Fixed and mixed NTK scaling from a NewConfig's ``rope_scaling``, against the formula
+    written from the remote code in the factory."""
+    scaling = {"type": "ntk", "factor": factor, "mixed_b": mixed_b}
+    config = {"rope_theta": 160000.0, "rope_scaling": scaling}
+    ours = RotaryEmbedding(64, rope_settings(config)).inv_freq
+    expected = ntk_inv_freq(160000.0, 64, factor, mixed_b)
+    torch.testing.assert_close(ours, expected, atol=0, rtol=1e-6)
 
 
 def test_batch_invariance(trunk) -> None:

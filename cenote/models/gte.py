@@ -43,7 +43,7 @@ _REQUIRED: dict[str, Any] = {
     "logn_attention_scale": False,
     "logn_attention_clip1": False,
 }
-SUPPORTED_ROPE_SCALING = ("ntk", "linear")
+SUPPORTED_ROPE_SCALING = ("ntk",)  # the remote code builds no other
 
 
 def check_variant(config: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ into the reference's rotary buffers.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,20 @@ _AUTO_MAP = {
 }
 
 
-def ntk_inv_freq(theta: float, head_dim: int, factor: float) -> torch.Tensor:
-    """Fixed NTK: base ``theta * factor``, then every frequency over ``factor ** (2 / dim)``
-    (the remote code applies it whenever factor > 1, at any length)."""
-    base = theta * factor
+def ntk_inv_freq(
+    theta: float, head_dim: int, factor: float, mixed_b: float | None = None
+) -> torch.Tensor:
+    """Fixed NTK: base ``theta * factor``, then every frequency over ``factor ** (2 / dim)``;
+    mixed (``mixed_b``): base ``theta``, frequency m (from 1) over ``exp(a m^b)`` with
+    ``a = ln(factor) / (dim / 2)^b``. The remote code applies it whenever factor > 1, at any
+    length."""
+    base = theta * factor if mixed_b is None else theta
     inv_freq = base ** -(torch.arange(0, head_dim, 2).double() / head_dim)
-    return (inv_freq / factor ** (2 / head_dim)).float()
+    if mixed_b is None:
+        return (inv_freq / factor ** (2 / head_dim)).float()
+    a = math.log(factor) / (head_dim / 2) ** mixed_b
+    lambdas = torch.tensor([math.exp(a * m**mixed_b) for m in range(1, head_dim // 2 + 1)])
+    return (inv_freq / lambdas.double()).float()
 
 
 def hub_config(config: dict[str, Any], ntk_factor: float | None, head: str) -> dict[str, Any]:
