@@ -1,11 +1,12 @@
-"""Embedding throughput of full-size MPNet, ModernBERT and DeBERTa-v3: cenote vs
+"""Embedding throughput of full-size MPNet, ModernBERT, DeBERTa-v3 and GTE v1.5: cenote vs
 sentence-transformers.
 
 No such checkpoint is reachable offline, and a tiny model says nothing about speed, so each is
 built at full size from its published config with random weights: all-mpnet-base-v2 (MPNet, 12
 layers x 768, relative position buckets), ModernBERT-base (22 layers x 768, global / 128-token
 local attention, GeGLU) and deberta-v3-small (6 layers x 768, disentangled attention over 256
-log buckets). Each is saved as a sentence-transformers folder (mean pooling + Normalize) with
+log buckets) and gte-base-en-v1.5 (12 layers x 768, rotary, gated MLP; transformers' native
+``GteModel``, the weights in the Hub's remote-code layout). Each is saved as a sentence-transformers folder (mean pooling + Normalize) with
 all-MiniLM-L6-v2's WordPiece tokenizer (token counts are what matter here); both engines embed
 the same corpus (embed_offline's prose) with the same thread count, in fp32 and bf16. Prints the
 CPU, tokens/s, the cenote / sentence-transformers ratio per dtype and the min cosine between the
@@ -70,6 +71,24 @@ ARCHITECTURES: dict[str, tuple[str, str, dict, int]] = {
             position_biased_input=False,
             type_vocab_size=0,
             pad_token_id=0,
+        ),
+        512,
+    ),
+    # Alibaba-NLP/gte-base-en-v1.5's config.json (remote-code NewConfig keys as GteConfig's)
+    "gte-base-en-v1.5": (
+        "GteConfig",
+        "GteModel",
+        dict(
+            vocab_size=30528,
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            max_position_embeddings=8192,
+            type_vocab_size=0,
+            layer_norm_eps=1e-12,
+            pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         ),
         512,
     ),

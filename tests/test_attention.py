@@ -253,6 +253,69 @@ def test_varlen_kernel_rejects_bad_rows() -> None:
         ops.varlen_attention(q, q[:5], q[:5], torch.empty_like(q), [0], [5], 1.0, False)
 
 
+def _alibi(slopes: list[float], n: int) -> torch.Tensor:
+    """[heads, n, n] ALiBi bias written out: -slope * |i - j| (JinaBERT's symmetric form)."""
+    bias = torch.zeros(len(slopes), n, n, dtype=torch.float64)
+    for h, slope in enumerate(slopes):
+        for i in range(n):
+            for j in range(n):
+                bias[h, i, j] = -slope * abs(i - j)
+    return bias
+
+
+ALIBI_SLOPES = [0.5, 0.25, 0.0625, 2.0**-8]  # steep to flat
+
+
+@pytest.mark.parametrize("kv_heads", [HEADS, KV_HEADS], ids=["mha", "gqa"])
+def test_encoder_alibi_matches_per_request_bias(kv_heads, encoder_path) -> None:
+    """ALiBi slopes: the kernel (its SDPA path in fp32) and the Python loop against dense
+    attention with the bias written out per request."""
+    q, k, v, loc = _random_stream(LENGTHS, kv_heads=kv_heads, seed=4)
+    attention = Attention(HEADS, DIM, kv_heads, 0, DIM**-0.5, alibi_slopes=ALIBI_SLOPES)
+    with forward_context(AttentionMetadata(loc, LENGTHS, causal=False)):
+        got = attention(q, k, v)
+    bias = {n: _alibi(ALIBI_SLOPES, n) for n in set(LENGTHS)}
+    expected = _per_request(q, k, v, loc, HEADS, kv_heads, bias_of=bias.__getitem__)
+    torch.testing.assert_close(got, expected, atol=ATOL_FP32, rtol=0)
+
+
+def test_varlen_kernel_bf16_alibi() -> None:
+    """bf16 ALiBi through the kernel (oneDNN micro-kernels where bf16 is native, the bias added
+    to each row of scores) against fp64: lengths across the key-block (64) and query-chunk
+    (256) boundaries."""
+    ops = attention_kernels.attention_ops()
+    if ops is None:
+        pytest.fail("the attention kernels did not build on this machine")
+    lengths, dim = [1, 63, 65, 300, 7], 32
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    generator = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(sum(lengths), HEADS, dim, generator=generator).bfloat16() for _ in "qkv")
+    out = torch.empty_like(q)
+    slopes = torch.tensor(ALIBI_SLOPES)
+    ops.varlen_attention(q, k, v, out, starts, lengths, dim**-0.5, False, slopes)
+    for start, n in zip(starts, lengths, strict=True):
+        rows = slice(start, start + n)
+        bias = _alibi(ALIBI_SLOPES, n)
+        expected = _reference(q[rows], k[rows], v[rows], dim**-0.5, bias=bias)
+        torch.testing.assert_close(out[rows].float(), expected.float(), atol=ATOL_BF16, rtol=2**-7)
+
+
+def test_alibi_refuses_what_it_does_not_compute() -> None:
+    with pytest.raises(ValueError, match=r"one slope per head \(4, got 2\)"):
+        Attention(HEADS, DIM, HEADS, 0, 1.0, alibi_slopes=[0.5, 0.25])
+    with pytest.raises(ValueError, match="bidirectional attention without a sliding window"):
+        Attention(HEADS, DIM, HEADS, 0, 1.0, causal=True, alibi_slopes=ALIBI_SLOPES)
+    ops = attention_kernels.attention_ops()
+    if ops is None:
+        pytest.fail("the attention kernels did not build on this machine")
+    q = torch.zeros(10, HEADS, DIM)
+    slopes = torch.tensor(ALIBI_SLOPES)
+    with pytest.raises(RuntimeError, match="bidirectional attention only"):
+        ops.varlen_attention(q, q, q, torch.empty_like(q), [0], [10], 1.0, True, slopes)
+    with pytest.raises(RuntimeError, match=r"one slope per query head \(4\)"):
+        ops.varlen_attention(q, q, q, torch.empty_like(q), [0], [10], 1.0, False, slopes[:2])
+
+
 # ---- paged decode ----------------------------------------------------------------------------
 
 

@@ -41,6 +41,12 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
         "T5EncoderModel": ("t5_encoder", "T5EncoderModel"),
         "MT5EncoderModel": ("t5_encoder", "T5EncoderModel"),
         "DebertaV2Model": ("deberta_v2", "DebertaV2Model"),
+        # GTE v1.5 / multilingual: Alibaba-NLP's remote-code name and transformers' native one
+        "NewModel": ("gte", "GteModel"),
+        "GteModel": ("gte", "GteModel"),
+        # jina-embeddings-v2: the Hub's config.json names the masked LM (its head is not loaded)
+        "JinaBertModel": ("jina_bert", "JinaBertModel"),
+        "JinaBertForMaskedLM": ("jina_bert", "JinaBertModel"),
         # EmbeddingGemma: the Gemma 3 trunk as a (bidirectional) encoder
         "Gemma3TextModel": ("gemma3", "Gemma3TextModel"),
     },
@@ -67,6 +73,9 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
             "deberta_v2",
             "DebertaV2ForSequenceClassification",
         ),
+        "NewForSequenceClassification": ("gte", "GteForSequenceClassification"),
+        "GteForSequenceClassification": ("gte", "GteForSequenceClassification"),
+        "JinaBertForSequenceClassification": ("jina_bert", "JinaBertForSequenceClassification"),
     },
     (False, ("token_classify",)): {
         "BertForTokenClassification": ("bert_classifiers", "BertForTokenClassification"),

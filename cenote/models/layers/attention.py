@@ -36,6 +36,9 @@ class Attention(nn.Module):
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma).
     ``causal``: overrides the step's causal flag without a KV cache (a causal trunk served as an
     encoder); None follows the step.
+    ``alibi_slopes``: one per head (bidirectional encoders only, JinaBERT): scores gain
+    ``-slope * |query position - key position|``, inside the varlen kernel (a bias per request
+    where it does not run), never as a mask over the whole step.
     """
 
     def __init__(
@@ -49,8 +52,16 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         softcap: float | None = None,
         causal: bool | None = None,
+        alibi_slopes: list[float] | None = None,
     ) -> None:
         super().__init__()
+        if alibi_slopes is not None and (
+            len(alibi_slopes) != num_heads or causal or sliding_window or softcap
+        ):
+            raise ValueError(
+                f"ALiBi needs one slope per head ({num_heads}, got {len(alibi_slopes)}) and "
+                "bidirectional attention without a sliding window or softcap"
+            )
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -59,6 +70,11 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.causal = causal
+        # fp32 on the host (explicitly: a ``meta`` build keeps it), not a buffer: ``to_empty``
+        # and ``.to(dtype)`` of the model leave it alone
+        self.alibi_slopes = (
+            None if alibi_slopes is None else torch.tensor(alibi_slopes, device="cpu")
+        )
         attention_ops()  # build or load the kernels with the model, not on its first request
 
     def forward(
@@ -77,6 +93,7 @@ class Attention(nn.Module):
             starts = metadata.query_start_loc[:-1]
             out = self._attend_fresh(q, k, v, starts, metadata.query_lens, causal, mask_fn)
         else:
+            assert self.alibi_slopes is None  # ALiBi layers are encoders': no KV cache
             out = self._attend_paged(q, k, v, metadata)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
@@ -153,11 +170,13 @@ class Attention(nn.Module):
             and (self.sliding_window is None or max(lengths) <= self.sliding_window)
         )
         ops = attention_ops() if runs_cpu_kernels(q) else None
+        alibi = self.alibi_slopes
         if ops is not None and plain:
-            ops.varlen_attention(q, k, v, out, starts, lengths, self.scale, causal)
+            ops.varlen_attention(q, k, v, out, starts, lengths, self.scale, causal, alibi)
             return out
         if (
             plain
+            and alibi is None
             and varlen_applies(q)
             and self._attend_torch_varlen(q, k, v, starts, lengths, causal, out)
         ):
@@ -174,7 +193,7 @@ class Attention(nn.Module):
                 k[group].view(*shape, self.num_kv_heads, self.head_dim),
                 v[group].view(*shape, self.num_kv_heads, self.head_dim),
                 causal=causal,
-                mask=mask_fn(group, j - i + 1, n) if mask_fn else self._window_mask(n, causal),
+                mask=self._mask(group, j - i + 1, n, causal, mask_fn, q.dtype),
             ).reshape(group.stop - group.start, self.num_heads, self.head_dim)
             i = j + 1
         return out
@@ -208,6 +227,26 @@ class Attention(nn.Module):
             return False
         out[rows] = result
         return True
+
+    def _mask(
+        self,
+        rows: slice,
+        num_requests: int,
+        length: int,
+        causal: bool,
+        mask_fn: EncoderMaskFn | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
+        """The mask of a run of ``num_requests`` equal-length requests: ``mask_fn``'s, the
+        ALiBi bias [heads, length, length] or the sliding window's."""
+        if mask_fn is not None:
+            assert self.alibi_slopes is None  # models with ALiBi pass no other mask
+            return mask_fn(rows, num_requests, length)
+        if self.alibi_slopes is not None:
+            positions = torch.arange(length, dtype=torch.float32)
+            distance = (positions.unsqueeze(0) - positions.unsqueeze(1)).abs()  # [length, length]
+            return (distance * -self.alibi_slopes.view(-1, 1, 1)).to(dtype)
+        return self._window_mask(length, causal)
 
     def _window_mask(self, length: int, causal: bool) -> torch.Tensor | None:
         """[length, length] bool (True = attend) of a sliding-window layer's request of

@@ -54,11 +54,13 @@ class AttentionOps(Protocol):
         lengths: list[int],
         scale: float,
         causal: bool,
+        alibi_slopes: torch.Tensor | None = None,
         /,
     ) -> None:
         """q/out [tokens, heads, dim], k/v [tokens, kv_heads, dim]; the request of rows
         [starts[i], starts[i] + lengths[i]) attends to its own rows (SDPA, top-left causal when
-        ``causal``), written into ``out``."""
+        ``causal``), written into ``out``. ``alibi_slopes`` [heads] fp32 (bidirectional only):
+        score(i, j) gains ``-slope * |i - j|`` before the softmax."""
         ...
 
     def varlen_micro_kernels(self) -> bool:

@@ -1,7 +1,8 @@
 """Rotary position embeddings (neox / ``rotate_half`` layout, as Hugging Face Llama).
 
-Supported ``rope_type``: ``default``, ``linear`` and ``llama3``. Parameters are read from a
-transformers-5 ``rope_parameters`` dict, or from the older ``rope_theta`` + ``rope_scaling`` keys.
+Supported ``rope_type``: ``default``, ``linear``, ``llama3`` and ``ntk`` (GTE's fixed or mixed
+NTK scaling). Parameters are read from a transformers-5 ``rope_parameters`` dict, or from the
+older ``rope_theta`` + ``rope_scaling`` keys.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "ntk")
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -49,6 +50,25 @@ def _llama3_inv_freq(
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _ntk_inv_freq(theta: float, head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """NTK-aware scaling as GTE's remote code (Alibaba-NLP/new-impl) and vLLM apply it at any
+    length (https://kexue.fm/archives/9706). Fixed (no ``mixed_b``): ``theta * factor`` as the
+    base and every frequency divided by ``factor ** (2 / head_dim)``; mixed: the plain base and
+    frequency ``i`` (from 1) divided by ``exp(a * i ** b)``, ``a = log(factor) / (head_dim / 2)
+    ** b``."""
+    factor = float(params["factor"])
+    mixed_b = params.get("mixed_b")
+    base = theta if mixed_b is not None else theta * factor
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (base ** (exponents / head_dim))
+    if mixed_b is None:
+        return inv_freq / factor ** (2 / head_dim)
+    b = float(mixed_b)
+    a = math.log(factor) / (head_dim / 2) ** b
+    index = torch.arange(1, head_dim // 2 + 1, dtype=torch.int64, device="cpu").float()
+    return inv_freq / (a * index**b).exp()
+
+
 class RotaryEmbedding:
     """Inverse frequencies of one model; turns positions into ``cos``/``sin`` tables.
 
@@ -63,6 +83,8 @@ class RotaryEmbedding:
         inv_freq = 1.0 / (float(params["rope_theta"]) ** (exponents / head_dim))  # [head_dim / 2]
         if params["rope_type"] == "linear":
             inv_freq = inv_freq / float(params["factor"])
+        elif params["rope_type"] == "ntk":
+            inv_freq = _ntk_inv_freq(float(params["rope_theta"]), head_dim, params)
         elif params["rope_type"] == "llama3":
             max_positions = int(config.get("max_position_embeddings", 2048))
             inv_freq = _llama3_inv_freq(inv_freq, params, max_positions)

@@ -1,5 +1,7 @@
 // varlen_attention: requests of any lengths on a flat token stream, each attending only to its
 // own rows, in one call (encoder batches, and decoder prompts run without a KV cache).
+// With ALiBi slopes (JinaBERT), bidirectional only: score(i, j) -= slope[h] * |i - j| before the
+// softmax, added row by row to the micro-kernels' scores, or as SDPA's bias per request.
 //
 // bf16, where oneDNN's brgemm micro-kernels run bf16 (AMX, or AVX512-BF16 without AMX as on AMD
 // Zen 4/5; bf16_micro_kernels()):
@@ -24,6 +26,7 @@
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -287,12 +290,29 @@ void pack_values(const BFloat16* v, int64_t length, int64_t padded, int64_t D, i
   }
 }
 
+// ALiBi on one row of raw scores (before the scale): score j -= step * |query - j|.
+inline void add_alibi(float* scores, int64_t visible, int64_t query, float step) {
+#pragma omp simd
+  for (int64_t j = 0; j < visible; ++j) {
+    scores[j] -= step * static_cast<float>(j > query ? j - query : query - j);
+  }
+}
+
+// [1, heads, n, n] additive ALiBi bias of one request of n tokens: -slope[h] * |i - j|.
+at::Tensor alibi_bias(const at::Tensor& slopes, int64_t n, at::ScalarType dtype) {
+  const at::Tensor positions = at::arange(n, slopes.options());
+  const at::Tensor distance = positions.unsqueeze(0).sub(positions.unsqueeze(1)).abs();
+  return distance.unsqueeze(0).mul(slopes.neg().view({-1, 1, 1})).unsqueeze(0).to(dtype);
+}
+
 // Request rows [start, start + length), kv head `kvh` and its query heads, bf16 via brgemm.
 // oneDNN packs (and its micro-kernels read) at most 64 columns of B at a time, so keys go in
 // blocks of kKeyBlock and value columns in blocks of up to 64; queries go kQueryRows at a time.
+// `alibi_step` (nullptr: none): per query head, the ALiBi slope over the attention scale,
+// subtracted from the raw score once per position of distance between query and key.
 void attend_brgemm(const BFloat16* q, const BFloat16* k, const BFloat16* v, BFloat16* out,
                    int64_t start, int64_t length, int64_t kvh, const Layout& l, float scale2,
-                   bool causal, Scratch& s) {
+                   bool causal, const float* alibi_step, Scratch& s) {
   const int64_t D = l.dim, P = round_up(length, kKeyBlock);
   const int64_t group = l.heads / l.kv_heads;
   s.reserve(P, D);
@@ -322,6 +342,7 @@ void attend_brgemm(const BFloat16* q, const BFloat16* k, const BFloat16* v, BFlo
           continue;
         }
         const int64_t visible = causal ? i0 + r + 1 : length;
+        if (alibi_step != nullptr) add_alibi(&s.scores[r * P], visible, i0 + r, alibi_step[h]);
         s.inverse[r] = softmax_row(&s.scores[r * P], visible, keys, scale2, prow);
       }
       for (int64_t n0 = 0; n0 < D; n0 += kValueBlock) {
@@ -401,7 +422,7 @@ bool bf16_micro_kernels() {
 
 void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       at::Tensor& out, c10::IntArrayRef starts, c10::IntArrayRef lengths,
-                      double scale, bool causal) {
+                      double scale, bool causal, const std::optional<at::Tensor>& alibi_slopes) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3,
               "q, k, v and out must be [num_tokens, heads, head_dim]");
   TORCH_CHECK(k.sizes() == v.sizes() && out.sizes() == q.sizes() && k.size(0) == q.size(0),
@@ -414,6 +435,19 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                 "request ", r, " rows [", starts[r], ", ", starts[r] + lengths[r],
                 ") outside the ", q.size(0), " rows");
   }
+  std::vector<float> alibi_step;  // per query head: slope / scale (empty: no ALiBi)
+  at::Tensor slopes;              // fp32 [heads], for the SDPA path's bias
+  if (alibi_slopes.has_value()) {
+    slopes = alibi_slopes->to(at::kFloat).contiguous();
+    TORCH_CHECK(slopes.dim() == 1 && slopes.size(0) == q.size(1),
+                "alibi_slopes must hold one slope per query head (", q.size(1), "), got ",
+                slopes.sizes());
+    TORCH_CHECK(!causal, "ALiBi is implemented for bidirectional attention only");
+    for (int64_t h = 0; h < q.size(1); ++h) {
+      alibi_step.push_back(static_cast<float>(slopes.const_data_ptr<float>()[h] / scale));
+    }
+  }
+  const float* step = alibi_step.empty() ? nullptr : alibi_step.data();
   std::vector<int64_t> by_length(num_requests);
   std::iota(by_length.begin(), by_length.end(), 0);
   std::stable_sort(by_length.begin(), by_length.end(),
@@ -448,7 +482,8 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       Scratch scratch;
       for (int64_t i = next(); i >= 0; i = next()) {
         const int64_t r = tasks[i] / kv_heads, h = tasks[i] % kv_heads;
-        attend_brgemm(qd, kd, vd, od, starts[r], lengths[r], h, l, scale2, causal, scratch);
+        attend_brgemm(qd, kd, vd, od, starts[r], lengths[r], h, l, scale2, causal, step,
+                      scratch);
       }
       cpublas::brgemm_release();
 #if defined(__x86_64__)
@@ -463,8 +498,10 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     auto rows = [&](const at::Tensor& t) {  // [1, heads, length, dim] view of the request
       return t.slice(0, start, end).unsqueeze(0).transpose(1, 2);
     };
-    at::Tensor result = at::scaled_dot_product_attention(rows(q), rows(k), rows(v),
-                                                         std::nullopt, 0.0, causal, scale, gqa);
+    std::optional<at::Tensor> bias;
+    if (step != nullptr) bias = alibi_bias(slopes, end - start, q.scalar_type());
+    at::Tensor result = at::scaled_dot_product_attention(rows(q), rows(k), rows(v), bias, 0.0,
+                                                         causal, scale, gqa);
     out.slice(0, start, end).copy_(result[0].transpose(0, 1));
   };
   // one request per thread pays when no request alone outweighs a thread's share
@@ -487,7 +524,7 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(cenote_attention, m) {
   m.def(
       "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int[] starts, "
-      "int[] lengths, float scale, bool causal) -> ()");
+      "int[] lengths, float scale, bool causal, Tensor? alibi_slopes=None) -> ()");
   m.def("varlen_micro_kernels() -> bool", [] { return bf16_micro_kernels(); });
 }
 
