@@ -47,8 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     models = serve.add_argument_group("several models (one engine core each, one front door)")
     models.add_argument(
         "--model", dest="models", action="append", metavar="NAME=PATH",
-        help="serve PATH as NAME (repeat for each model; the first is the default of requests "
-        "that name none); a bare PATH is the positional MODEL",
+        help="serve PATH as NAME (repeat for each model; a request that names none goes to the "
+        "first that serves its task); a bare PATH is the positional MODEL",
     )  # fmt: skip
     models.add_argument(
         "--config", metavar="FILE",
