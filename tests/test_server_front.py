@@ -8,6 +8,7 @@ from starlette.testclient import TestClient
 
 from cenote.engine_args import EngineArgs
 from cenote.server.app import build_app
+from cenote.server.served_models import ServedModels
 from cenote.server.state import ServerOptions, ServerState
 
 
@@ -24,7 +25,7 @@ def _error(response, status: int) -> str:
 
 def test_requests_before_the_engine_is_up_and_after_it_died_are_503(engine_config) -> None:
     state = ServerState(engine_config, ServerOptions())
-    client = TestClient(build_app(state))  # no lifespan: the engine never starts
+    client = TestClient(build_app(ServedModels([state])))  # no lifespan: the engine never starts
     try:
         response = client.post("/v1/embeddings", json={"input": "a"})
         assert _error(response, 503) == "the server is starting; the model is not loaded yet"

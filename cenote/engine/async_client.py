@@ -90,6 +90,8 @@ class AsyncEngineClient:
         self.on_dead = on_dead
         self.capabilities: ModelCapabilities | None = None
         self.dead_reason: str | None = None  # set once the core is gone
+        # what the core computes with, as it reports once started: torch threads and CPUs
+        self.core_threads: tuple[int, tuple[int, ...]] | None = None
         # user request id -> its outputs, or the exception that ends it
         self.queues: dict[str, asyncio.Queue[UserOutput | Exception]] = {}
         self._waves: dict[str, _Wave] = {}  # pooling request id -> its wave, until it finishes
@@ -126,11 +128,17 @@ class AsyncEngineClient:
             raise EngineDeadError(f"the engine core failed to start: {message.message}")
         assert isinstance(message, Ready)
         self.capabilities = message.capabilities
+        self.core_threads = (message.num_threads, message.cpu_ids)
         self.output_processor.label_names = message.capabilities.label_names
         loop = asyncio.get_running_loop()
         launcher.on_exit(loop, self._on_core_exit)
         self._output_task = loop.create_task(self._output_loop())
         return message.capabilities
+
+    @property
+    def threads_by_core(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(torch threads, CPUs) of the core, once started (the data-parallel client: each)."""
+        return [self.core_threads] if self.core_threads is not None else []
 
     @property
     def pid(self) -> int | None:

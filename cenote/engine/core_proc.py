@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 import zmq
 
 from cenote.config import EngineConfig
@@ -62,7 +63,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         engine = EngineCore(config)
         freeze_startup_objects()  # a process of its own: what is alive now lives as long
-        outputs.send(encoder.encode(Ready(capabilities=engine.capabilities)))
+        ready = Ready(
+            capabilities=engine.capabilities,
+            num_threads=torch.get_num_threads(),
+            cpu_ids=tuple(sorted(os.sched_getaffinity(0))),
+        )
+        outputs.send(encoder.encode(ready))
         with StepHeartbeat(context, output_address) as heartbeat:
             _CoreLoop(engine, inputs, outputs, parent_pid, heartbeat).run()
     except Exception as e:

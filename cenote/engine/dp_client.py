@@ -37,8 +37,8 @@ def split_cores(
     config: EngineConfig, size: int, executor: Executor = "process"
 ) -> list[EngineConfig]:
     """The config of each of ``size`` engine cores: local processes get disjoint CPU sets of this
-    machine (threads = their size); Ray actors get ``num_threads`` CPUs each (default: this
-    machine's share) wherever Ray places them. Refused on a GPU: the replicas would share it."""
+    machine, or of ``config.cpu_ids`` when set (threads = their size); Ray actors get
+    ``num_threads`` CPUs each (default: this machine's share) wherever Ray places them. Refused on a GPU: the replicas would share it."""
     if config.model.device != "cpu":
         raise ValueError(
             f"data_parallel_size {size} splits this machine's CPU cores between engine cores; "
@@ -48,7 +48,8 @@ def split_cores(
     if executor == "ray":
         threads = config.num_threads or max((os.cpu_count() or 1) // size, 1)
         return [dataclasses.replace(config, num_threads=threads, cpu_ids=None)] * size
-    available = sorted(os.sched_getaffinity(0))
+    # a model's own CPU set when several models share the machine (engine/cpu_shares.py)
+    available = sorted(config.cpu_ids or os.sched_getaffinity(0))
     total = config.num_threads or len(available)
     if size > len(available):
         raise ValueError(
@@ -116,6 +117,11 @@ class DataParallelEngineClient:
     def dead_cores(self) -> dict[int, str]:
         """Rank -> why, for every core that is gone."""
         return {i: c.dead_reason for i, c in enumerate(self.cores) if c.dead_reason is not None}
+
+    @property
+    def threads_by_core(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(torch threads, CPUs) of each started core, in rank order."""
+        return [threads for core in self.cores for threads in core.threads_by_core]
 
     @property
     def num_unfinished(self) -> int:

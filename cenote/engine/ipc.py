@@ -38,6 +38,8 @@ class Ready(msgspec.Struct, tag=True):
     """Core -> front, once: the model is loaded; what it can do."""
 
     capabilities: ModelCapabilities
+    num_threads: int  # torch threads the core computes with
+    cpu_ids: tuple[int, ...]  # CPUs the core process may run on (its affinity)
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -1,10 +1,12 @@
-"""``cenote serve [MODEL] ...``: the OpenAI-compatible server (also ``python -m cenote serve``)."""
+"""``cenote serve [MODEL] ...``: the OpenAI-compatible server (also ``python -m cenote serve``);
+several models with ``--model NAME=PATH`` or ``--config`` (entrypoints/model_specs.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -12,12 +14,18 @@ import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 import uvicorn
 
+from cenote.engine.cpu_shares import share_cpus
 from cenote.engine_args import EngineArgs, HelpFormatter, add_arguments
 from cenote.entrypoints import embed, run_batch
+from cenote.entrypoints.model_specs import ModelSpec, model_specs
 from cenote.server.state import ServerOptions
+
+if TYPE_CHECKING:
+    from cenote.server.served_models import ServedModels
 
 logger = logging.getLogger("cenote.serve")
 
@@ -36,6 +44,18 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     EngineArgs.add_cli_args(serve)
+    models = serve.add_argument_group("several models (one engine core each, one front door)")
+    models.add_argument(
+        "--model", dest="models", action="append", metavar="NAME=PATH",
+        help="serve PATH as NAME (repeat for each model; a request that names none goes to the "
+        "first that serves its task); a bare PATH is the positional MODEL",
+    )  # fmt: skip
+    models.add_argument(
+        "--config", metavar="FILE",
+        help='a JSON file {"models": {"NAME": {"model": PATH, "dtype": ..., '
+        '"max_model_len": ..., "data_parallel_size": ...}}}: per-model engine options (every '
+        "engine option, data_parallel_size, chat_template) over the command line's",
+    )  # fmt: skip
     add_arguments(serve.add_argument_group("server options"), ServerOptions)
     run_batch.add_parser(commands)
     embed.add_parser(commands)
@@ -88,7 +108,6 @@ def serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     from cenote.server.app import build_app
     from cenote.server.http import ConnectionLimits, connection_protocol
-    from cenote.server.state import ServerState
 
     given = {f.name: getattr(args, f.name) for f in fields(ServerOptions) if hasattr(args, f.name)}
     options = ServerOptions(
@@ -100,9 +119,9 @@ def serve(args: argparse.Namespace) -> int:
         max_connections=options.max_connections,
         max_connections_per_client=options.max_connections_per_client,
     ))  # fmt: skip
-    state = ServerState(EngineArgs.from_cli_args(args).create_engine_config(), options)
+    served = _served_models(model_specs(args), options)
     config = uvicorn.Config(
-        build_app(state), host=options.host, port=options.port, log_level=options.log_level,
+        build_app(served), host=options.host, port=options.port, log_level=options.log_level,
         access_log=False, timeout_graceful_shutdown=None, http=protocol,
         # uvicorn annotates an int, but the value is a loop delay: seconds as a float work
         timeout_keep_alive=options.keep_alive_timeout,  # type: ignore[arg-type]
@@ -117,11 +136,43 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("engine core died (%s); exiting in %.1f s", reason, delay)
         asyncio.get_running_loop().call_later(delay, setattr, server, "should_exit", True)
 
-    state.on_engine_dead = on_engine_dead
+    served.on_all_dead = on_engine_dead
     server.run()
-    if state.client.dead_reason is not None:
+    if served.any_dead:
         exit_code = 1
     return exit_code
+
+
+def _served_models(specs: list[ModelSpec], options: ServerOptions) -> ServedModels:
+    """Each model's engine config (with its CPU share when there are several: engine/
+    cpu_shares.py) and state; a model that cannot be read is an error naming it."""
+    from cenote.server.metrics import MetricFamilies
+    from cenote.server.served_models import ServedModels
+    from cenote.server.state import ServerState
+
+    configs, model_options = [], []
+    for spec in specs:
+        try:
+            configs.append(spec.engine_args.create_engine_config())
+        except (FileNotFoundError, ValueError) as e:
+            if len(specs) == 1:
+                raise
+            raise ValueError(f"model {spec.name or spec.engine_args.model!r}: {e}") from e
+        template = spec.options.get("chat_template")
+        model_options.append(dataclasses.replace(
+            options,
+            chat_template=options.chat_template if template is None else _chat_template(template),
+            data_parallel_size=spec.options.get("data_parallel_size", options.data_parallel_size),
+        ))  # fmt: skip
+    if len(specs) > 1 and options.distributed_executor == "process":
+        sizes = [o.data_parallel_size for o in model_options]
+        configs = share_cpus(configs, sizes, sorted(os.sched_getaffinity(0)))
+    families = MetricFamilies()
+    states = [
+        ServerState(config, model_option, families)
+        for config, model_option in zip(configs, model_options, strict=True)
+    ]
+    return ServedModels(states, options, families)
 
 
 def _chat_template(value: str | None) -> str | None:

@@ -31,7 +31,6 @@ from cenote.server.errors import (
     APIError,
     BadRequest,
     BodyError,
-    ModelNotFound,
     PayloadTooLarge,
     Unauthorized,
     Unavailable,
@@ -62,7 +61,8 @@ from cenote.server.responses import (
     schema,
     shared_schema,
 )
-from cenote.server.state import ServerState, get_state
+from cenote.server.served_models import ServedModels
+from cenote.server.state import ServerState, get_served, get_state
 from cenote.server.tei_protocol import TEITokenizeRequest
 
 logger = logging.getLogger(__name__)
@@ -71,18 +71,18 @@ router = APIRouter(route_class=JSONRoute)
 _OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(served: ServedModels) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        start = asyncio.create_task(_start_engine(state))
+        start = asyncio.create_task(_start_engines(served))
         try:
             yield
         finally:
             start.cancel()
-            await state.client.shutdown()
+            await served.shutdown()
 
     app = FastAPI(title="cenote", version=cenote.__version__, lifespan=lifespan)
-    app.state.cenote = state
+    app.state.cenote = served
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(router)
@@ -92,31 +92,28 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(routes_cohere.router)  # Cohere /v2/embed
     app.include_router(routes_tei.router)  # text-embeddings-inference's own routes
     app.include_router(routes_generate.router)
-    app.add_middleware(FrontDoor, state=state)
+    app.add_middleware(FrontDoor, served=served)
     return app
 
 
-async def _start_engine(state: ServerState) -> None:
-    try:
-        await state.start()
-    except Exception as e:
-        logger.error("engine failed to start: %s", e)
-        state.client.mark_dead(str(e))
+async def _start_engines(served: ServedModels) -> None:
+    await served.start()
+    if served.not_serving() is not None:
         return
-    freeze_startup_objects()  # the front process's modules, routes and tokenizer
-    options = state.options
+    freeze_startup_objects()  # the front process's modules, routes and tokenizers
+    options = served.options
     logger.info(
-        "cenote ready on http://%s:%d serving %s; supported tasks: %s",
-        options.host, options.port, state.model_name, ", ".join(state.supported_tasks),
+        "cenote ready on http://%s:%d serving %s",
+        options.host, options.port, ", ".join(repr(name) for name in served.names),
     )  # fmt: skip
 
 
 class FrontDoor:
     """ASGI middleware: API key, body size, readiness, and requests-by-endpoint metrics."""
 
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+    def __init__(self, app: ASGIApp, served: ServedModels) -> None:
         self.app = app
-        self.state = state
+        self.served = served
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -139,31 +136,28 @@ class FrontDoor:
             else:
                 await self.app(scope, self._bounded(receive), send_with_status)
         finally:
-            self.state.metrics.record_request(self._endpoint(scope, path), status)
+            self.served.metrics.record_request(self._endpoint(scope, path), status)
 
     def _check(self, scope: Scope) -> APIError | None:
         path = scope["path"]
         headers = dict(scope["headers"])
-        api_key = self.state.options.api_key
+        api_key = self.served.options.api_key
         if api_key and path not in _OPEN_PATHS:
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
-        limit = self.state.options.max_body_bytes
+        limit = self.served.options.max_body_bytes
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return PayloadTooLarge(
                 f"the request body has {int(length)} bytes, the limit is {limit}"
             )
-        if scope["method"] == "POST" and not self.state.ready:
-            reason = self.state.client.dead_reason
-            if reason is not None:
-                return Unavailable(f"the engine is not running: {reason}")
-            return Unavailable("the server is starting; the model is not loaded yet")
+        if scope["method"] == "POST":
+            return self.served.not_serving()
         return None
 
     def _bounded(self, receive: Receive) -> Receive:
-        limit, received = self.state.options.max_body_bytes, 0
+        limit, received = self.served.options.max_body_bytes, 0
 
         async def bounded_receive() -> Message:
             nonlocal received
@@ -187,20 +181,22 @@ class FrontDoor:
 
 @router.get("/health", responses=schema(HealthResponse, 503))
 async def health(raw_request: Request) -> JSONResponse:
-    state = get_state(raw_request)
-    if not state.ready:
-        reason = state.client.dead_reason or "starting"
-        raise Unavailable(f"not ready: {reason}")
-    silent, limit = state.client.silent_for, state.options.engine_heartbeat_timeout
-    if silent > limit:  # a core stopped (SIGSTOP) or stuck sends neither outputs nor heartbeats
-        raise Unavailable(
-            f"the engine core has sent nothing for {silent:.1f} s (limit {limit:g} s): it is hung"
-        )
-    dead = state.client.dead_cores  # data parallel: some cores may be gone, others serve
-    if dead:
-        reasons = {str(rank): reason for rank, reason in dead.items()}
-        return JSONResponse({"status": "degraded", "dead_engines": reasons})
-    return JSONResponse({"status": "ok"})
+    """One model: ok, degraded (data parallel, some cores gone) or 503 (starting, dead, hung).
+    Several: each model's entry under ``models`` (``ServedModels.health``)."""
+    served = get_served(raw_request)
+    if len(served.states) > 1:
+        status, body = served.health()
+        if status != 200:
+            raise Unavailable(f"not ready: {body['message']}")
+        return JSONResponse(body)
+    problem = served.default.health_problem()
+    if problem is None:
+        return JSONResponse({"status": "ok"})
+    if problem["status"] == "degraded":
+        return JSONResponse(problem)
+    if problem["status"] == "hung":
+        raise Unavailable(problem["reason"])
+    raise Unavailable(f"not ready: {problem['reason']}")
 
 
 @router.get("/version", responses=schema(VersionResponse, 401))
@@ -209,6 +205,10 @@ async def version() -> JSONResponse:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
+    cores = [
+        {"num_threads": threads, "cpu_ids": list(cpu_ids)}
+        for threads, cpu_ids in state.client.threads_by_core
+    ]
     return {
         "id": state.model_name,
         "object": "model",
@@ -218,23 +218,20 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "parent": None,
         "max_model_len": state.model_config.max_model_len,
         "supported_tasks": list(state.supported_tasks),
+        "engine_cores": cores,  # each engine core's torch threads and CPUs, once started
     }
 
 
 @router.get("/v1/models", responses=schema(ModelList, 401))
 async def list_models(raw_request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(get_state(raw_request))]})
+    served = get_served(raw_request)
+    cards = [_model_card(state) for state in served.states.values()]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model:path}", responses=schema(ModelCard, 401, 404))
 async def retrieve_model(model: str, raw_request: Request) -> JSONResponse:
-    state = get_state(raw_request)
-    if model != state.model_name:
-        raise ModelNotFound(
-            f"the model {model!r:.200} does not exist; this server serves {state.model_name!r}",
-            param="model",
-        )
-    return JSONResponse(_model_card(state))
+    return JSONResponse(_model_card(get_served(raw_request).named(model)))
 
 
 @router.get(
@@ -245,7 +242,7 @@ async def retrieve_model(model: str, raw_request: Request) -> JSONResponse:
         **schema(None, 401)},
 )  # fmt: skip
 async def metrics(raw_request: Request) -> Response:
-    return Response(get_state(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(get_served(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post(
@@ -264,7 +261,7 @@ async def tokenize(raw_request: Request) -> Response:
         parsed = TokenizeRequest.model_validate(body)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
-    state = get_state(raw_request)
+    state = get_state(raw_request, parsed.model)
     return JSONResponse(await state.offload(_tokenize, state, parsed))  # off the event loop
 
 
@@ -298,7 +295,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
 
 @router.post("/detokenize", responses=schema(DetokenizeResponse, 400, 401, 404, 413, 503))
 async def detokenize(body: DetokenizeRequest, raw_request: Request) -> JSONResponse:
-    state = get_state(raw_request)
+    state = get_state(raw_request, body.model)
     state.check_model(body.model)
     vocab = state.model_config.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -336,11 +333,12 @@ async def invocations(raw_request: Request) -> Response:
     """SageMaker's one route: the body's shape picks the API. ``messages``: chat when the model
     generates, else embeddings; ``prompt``: completions; ``query`` + ``documents``: rerank;
     ``queries`` / ``data_1`` / ``text_1``: score; ``input``: embeddings, classify or pooling,
-    by the model's tasks."""
-    state = get_state(raw_request)
+    by the tasks of the model the body names (else the first)."""
     body = await raw_request.json()
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    named = body.get("model")  # a wrong type is refused by the body's own validation
+    state = get_state(raw_request, named if isinstance(named, str) else None)
     handler, model = _invocation_target(state, body)
     try:
         parsed = model.model_validate(body)

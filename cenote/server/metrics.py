@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server (its own registry, so tests can start many servers)."""
+"""Prometheus metrics of one server: its own registry (tests start many servers), every
+per-model series labelled with the model's served name."""
 
 from __future__ import annotations
 
@@ -11,27 +12,26 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+class MetricFamilies:
+    """The server's one registry: the HTTP counter (by endpoint and status: the front door sees
+    the route, not the body's model) and every per-model series, labelled ``model_name``."""
+
+    def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
 
         def gauge(name: str, documentation: str) -> Gauge:
-            return Gauge(name, documentation, ["model_name"], registry=r).labels(model_name)
+            return Gauge(name, documentation, ["model_name"], registry=r)
 
         def counter(name: str, documentation: str) -> Counter:
-            return Counter(name, documentation, ["model_name"], registry=r).labels(model_name)
+            return Counter(name, documentation, ["model_name"], registry=r)
 
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(
-                name, documentation, ["model_name"], buckets=buckets, registry=r
-            ).labels(model_name)
+            return Histogram(name, documentation, ["model_name"], buckets=buckets, registry=r)
 
-        self._evictions_seen = 0  # the cache's eviction count at the last record_cache
         self.requests = Counter(
             "cenote_http_requests", "HTTP requests by endpoint and status",
             ["endpoint", "status"], registry=r,
         )  # fmt: skip
-        # per model, labelled with its name
         self.num_waiting = gauge("cenote_num_requests_waiting", "Requests waiting in the scheduler")
         self.num_running = gauge("cenote_num_requests_running", "Requests running in the engine")
         self.kv_cache_usage = gauge(
@@ -55,7 +55,6 @@ class ServerMetrics:
             "cenote_e2e_request_latency_seconds", "Time from arrival to the last output",
             _LATENCY_BUCKETS,
         )  # fmt: skip
-
         self.cache_hits = counter(
             "cenote_embedding_cache_hits", "Pooling inputs answered without computing them"
         )
@@ -69,6 +68,34 @@ class ServerMetrics:
         self.cache_bytes = gauge(
             "cenote_embedding_cache_bytes", "Embedding cache size: results, keys, overhead"
         )
+
+    def record_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ServerMetrics:
+    """One model's series in the server's registry (``families``; its own when not given)."""
+
+    def __init__(self, model_name: str, families: MetricFamilies | None = None) -> None:
+        self.families = f = families if families is not None else MetricFamilies()
+        self._evictions_seen = 0  # the cache's eviction count at the last record_cache
+        self.num_waiting = f.num_waiting.labels(model_name)
+        self.num_running = f.num_running.labels(model_name)
+        self.kv_cache_usage = f.kv_cache_usage.labels(model_name)
+        self.scheduled_tokens = f.scheduled_tokens.labels(model_name)
+        self.prompt_tokens = f.prompt_tokens.labels(model_name)
+        self.generation_tokens = f.generation_tokens.labels(model_name)
+        self.queue_time = f.queue_time.labels(model_name)
+        self.ttft = f.ttft.labels(model_name)
+        self.e2e = f.e2e.labels(model_name)
+        self.cache_hits = f.cache_hits.labels(model_name)
+        self.cache_misses = f.cache_misses.labels(model_name)
+        self.cache_evictions = f.cache_evictions.labels(model_name)
+        self.cache_entries = f.cache_entries.labels(model_name)
+        self.cache_bytes = f.cache_bytes.labels(model_name)
 
     def record_step(self, stats: SchedulerStats | None, queue_times: list[float]) -> None:
         """Called by the engine client for every message from the core."""
@@ -88,9 +115,3 @@ class ServerMetrics:
         self._evictions_seen = cache.num_evictions
         self.cache_entries.set(len(cache))
         self.cache_bytes.set(cache.num_bytes)
-
-    def record_request(self, endpoint: str, status: int) -> None:
-        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -33,9 +33,22 @@ class Usage(BaseModel):
 # ---- small routes -----------------------------------------------------------------------------
 
 
+class ModelHealth(BaseModel):
+    status: Literal["ok", "degraded", "starting", "dead", "hung"]
+    reason: str | None = None  # why it is not ok
+    dead_engines: dict[str, str] | None = None  # data parallel: core rank -> why it is gone
+
+
 class HealthResponse(BaseModel):
-    status: Literal["ok", "degraded"]  # degraded: data parallel, some engine cores are gone
-    dead_engines: dict[str, str] | None = None  # core rank -> why it is gone
+    # degraded: some engine cores are gone (data parallel), or some models do not serve
+    status: Literal["ok", "degraded"]
+    dead_engines: dict[str, str] | None = None  # one model: core rank -> why it is gone
+    models: dict[str, ModelHealth] | None = None  # several models: each one's state
+
+
+class EngineCore(BaseModel):
+    num_threads: int  # torch threads
+    cpu_ids: list[int]  # CPUs the core process may run on
 
 
 class VersionResponse(BaseModel):
@@ -51,6 +64,7 @@ class ModelCard(BaseModel):
     parent: str | None = None
     max_model_len: int
     supported_tasks: list[str]
+    engine_cores: list[EngineCore]  # once started (cenote serve --model: the CPU policy)
 
 
 class ModelList(BaseModel):

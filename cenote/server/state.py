@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import Request
 
@@ -30,7 +30,10 @@ from cenote.inputs import PromptType
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import PoolingRequestOutput
 from cenote.server.errors import BadRequest, ModelNotFound, Overloaded, Unavailable
-from cenote.server.metrics import ServerMetrics
+from cenote.server.metrics import MetricFamilies, ServerMetrics
+
+if TYPE_CHECKING:
+    from cenote.server.served_models import ServedModels
 
 logger = logging.getLogger(__name__)
 
@@ -185,12 +188,20 @@ class ServerOptions:
 
 
 class ServerState:
-    def __init__(self, engine_config: EngineConfig, options: ServerOptions) -> None:
+    """One served model: its engine client, tokenizer, input processor, options and metrics
+    (``served_models.ServedModels`` holds every model of a server)."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        options: ServerOptions,
+        metric_families: MetricFamilies | None = None,  # the server's registry; None: its own
+    ) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model
         self.options = options
         self.model_name = self.model_config.served_model_name
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, metric_families)
         self.tokenizer = load_tokenizer(self.model_config)
         self.client: AsyncEngineClient | DataParallelEngineClient
         if options.data_parallel_size < 1:
@@ -257,6 +268,24 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return self.input_processor is not None and self.client.dead_reason is None
+
+    def health_problem(self) -> dict[str, Any] | None:
+        """Why this model does not serve fully (its ``/health`` entry), or None."""
+        reason = self.client.dead_reason
+        if not self.ready:
+            return {"status": "dead" if reason else "starting", "reason": reason or "starting"}
+        silent, limit = self.client.silent_for, self.options.engine_heartbeat_timeout
+        if silent > limit:  # a core stopped (SIGSTOP) or stuck sends neither outputs nor heartbeats
+            return {
+                "status": "hung",
+                "reason": f"the engine core has sent nothing for {silent:.1f} s (limit "
+                f"{limit:g} s): it is hung",
+            }
+        dead = self.client.dead_cores  # data parallel: some cores may be gone, others serve
+        if dead:
+            reasons = {str(rank): why for rank, why in dead.items()}
+            return {"status": "degraded", "dead_engines": reasons}
+        return None
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -338,9 +367,16 @@ def new_request_id(prefix: str, given: str | None = None) -> str:
     return given or f"{prefix}-{uuid.uuid4().hex}"
 
 
-def get_state(request: Request) -> ServerState:
-    state: ServerState = request.app.state.cenote
-    return state
+def get_state(request: Request, model: str | None = None, task: str | None = None) -> ServerState:
+    """The model ``request`` is for: the one its body names (``model``), else the first that
+    serves ``task`` (``ServedModels.get``: 404 for an unknown name, 503 for a model that is
+    not running)."""
+    return get_served(request).get(model, task)
+
+
+def get_served(request: Request) -> ServedModels:
+    served: ServedModels = request.app.state.cenote
+    return served
 
 
 def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:

@@ -1,0 +1,168 @@
+"""The models one server serves, by name: several engines behind one front door.
+
+Each model is a ``ServerState`` (its engine core processes, tokenizer, input processor, bounds
+and metrics); ``ServedModels`` routes a request to one of them by its body's ``model`` field:
+
+- a served name: that model; an unknown one: 404 listing the served names;
+- no ``model`` (and the routes whose bodies have none: TEI's ``/embed``, ``/predict``,
+  ``/rerank``...; ``/tokenize`` without one): the first model, in the order given, that serves
+  the route's task (rerank / score: a cross-encoder first, else any model that scores), else the
+  first model (whose answer then says the task is not supported). With one model this is
+  exactly the single-model server.
+
+A model whose engine fails to start, or dies later, answers 503 naming it and the cause; the
+others keep serving and ``/health`` says "degraded". Only when every engine is gone is the
+server dead (it exits, as a single-model server does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cenote.server.errors import APIError, ModelNotFound, Unavailable
+from cenote.server.metrics import MetricFamilies
+from cenote.server.state import ServerOptions, ServerState
+
+logger = logging.getLogger(__name__)
+
+SCORE_TASK = "score"  # the routing task of rerank / score routes: a model that compares texts
+
+
+class ServedModels:
+    """Every served model by name (the first is the default) and what they share: the server
+    options, the metrics registry, readiness."""
+
+    def __init__(
+        self,
+        states: Sequence[ServerState],
+        options: ServerOptions | None = None,
+        metrics: MetricFamilies | None = None,
+    ) -> None:
+        if not states:
+            raise ValueError("a server needs at least one model")
+        self.states = {state.model_name: state for state in states}
+        if len(self.states) != len(states):
+            names = [state.model_name for state in states]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            raise ValueError(f"two models are served as {repeated}: give each its own name")
+        self.default = states[0]
+        self.options = options if options is not None else self.default.options
+        self.metrics = metrics if metrics is not None else self.default.metrics.families
+        self.on_all_dead: Callable[[str], None] | None = None  # every engine is gone
+        for state in states:
+            state.on_engine_dead = self._engine_died
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.states)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every model's engine at once (each on its own CPU share); one that fails is
+        marked dead with its cause and the others serve."""
+        await asyncio.gather(*(self._start(state) for state in self.states.values()))
+
+    async def _start(self, state: ServerState) -> None:
+        try:
+            await state.start()
+        except Exception as e:
+            logger.error("model %r failed to start: %s", state.model_name, e)
+            state.client.mark_dead(str(e))
+            return
+        logger.info(
+            "model %r ready; supported tasks: %s; engine cores (threads, CPUs): %s",
+            state.model_name, ", ".join(state.supported_tasks), state.client.threads_by_core,
+        )  # fmt: skip
+
+    async def shutdown(self) -> None:
+        for state in self.states.values():
+            await state.client.shutdown()
+
+    def _engine_died(self, reason: str) -> None:
+        alive = [s for s in self.states.values() if s.client.dead_reason is None]
+        if not alive and self.on_all_dead is not None:
+            self.on_all_dead(reason)
+
+    @property
+    def any_dead(self) -> bool:
+        return any(state.client.dead_reason is not None for state in self.states.values())
+
+    # ---- readiness --------------------------------------------------------------------------
+
+    def not_serving(self) -> APIError | None:
+        """Why no request can be served yet (starting, or every engine gone); None when some
+        model can be asked."""
+        if len(self.states) == 1:
+            state = self.default
+            if state.ready:
+                return None
+            reason = state.client.dead_reason
+            if reason is not None:
+                return Unavailable(f"the engine is not running: {reason}")
+            return Unavailable("the server is starting; the model is not loaded yet")
+        states = self.states.values()
+        if any(s.input_processor is None and s.client.dead_reason is None for s in states):
+            return Unavailable("the server is starting; the models are not all loaded yet")
+        if all(s.client.dead_reason is not None for s in states):
+            reasons = "; ".join(f"{s.model_name}: {s.client.dead_reason}" for s in states)
+            return Unavailable(f"no model's engine is running ({reasons})")
+        return None
+
+    # ---- routing ----------------------------------------------------------------------------
+
+    def get(self, model: str | None = None, task: str | None = None) -> ServerState:
+        """The model a request names (``model``), else the first that serves ``task``."""
+        state = self._default_for(task) if model is None else self.named(model)
+        if len(self.states) > 1 and not state.ready:
+            reason = state.client.dead_reason or "it is still loading"
+            raise Unavailable(f"the model {state.model_name!r} is not available: {reason}")
+        return state
+
+    def named(self, model: str) -> ServerState:
+        """The model served as ``model``; 404 naming the served ones when there is none."""
+        state = self.states.get(model)
+        if state is None:
+            served = ", ".join(repr(name) for name in self.states)
+            raise ModelNotFound(
+                f"the model {model!r:.200} does not exist; this server serves {served}",
+                param="model",
+            )
+        return state
+
+    def _default_for(self, task: str | None) -> ServerState:
+        if task is None or len(self.states) == 1:
+            return self.default
+        states = [s for s in self.states.values() if s.ready]
+        if task == SCORE_TASK:
+            for wanted in ("cross_encoder", None):
+                for state in states:
+                    score_type = _score_type(state)
+                    if score_type is not None and wanted in (None, score_type):
+                        return state
+            return self.default
+        return next((s for s in states if task in s.supported_tasks), self.default)
+
+    # ---- what the small routes answer -------------------------------------------------------
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(status code, body) of ``/health`` for several models: 200 "ok" when every model
+        serves, 200 "degraded" naming those that do not, 503 while starting or when none
+        serves."""
+        error = self.not_serving()
+        if error is not None:
+            return 503, {"message": error.message}
+        models: dict[str, Any] = {}
+        for name, state in self.states.items():
+            problem = state.health_problem()
+            models[name] = {"status": "ok"} if problem is None else problem
+        degraded = any(entry["status"] != "ok" for entry in models.values())
+        return 200, {"status": "degraded" if degraded else "ok", "models": models}
+
+
+def _score_type(state: ServerState) -> str | None:
+    capabilities = state.client.capabilities
+    return capabilities.score_type if capabilities is not None else None
