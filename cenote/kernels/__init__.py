@@ -16,12 +16,13 @@ by a hash of the sources, their path, torch's version, the flags and the CPU's m
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -42,7 +43,6 @@ _QUANT_SOURCES = [
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so dequantized values
 # and the fused elementwise ops round exactly as torch and gguf do
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-_STALE_LOCK_S = 600
 _lock = threading.Lock()
 
 
@@ -303,17 +303,33 @@ def build_extension(
     name = f"{prefix}_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
     build_dir = kernel_cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_lock(build_dir / "lock")
-    module = load(
-        name=name,
-        sources=[str(source) for source in sources],
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=python_module,
-        verbose=False,
-    )
+    with _build_turn(build_dir):
+        module = load(
+            name=name,
+            sources=[str(source) for source in sources],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=python_module,
+            verbose=False,
+        )
     return module if python_module else None
+
+
+@contextlib.contextmanager
+def _build_turn(build_dir: Path) -> Iterator[None]:
+    """One process at a time builds or loads a kernel: an advisory lock (``flock``) the kernel
+    releases when its holder exits, however it exits. torch's own build lock is a file that
+    torch waits on forever, and a build killed midway (a server stopped while its core compiled)
+    leaves it behind; holding our lock, no other cenote process is building here, so that file
+    can only be such a leftover and is removed."""
+    with open(build_dir / "turn.lock", "w", encoding="ascii") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
 
 
 def kernels_disabled() -> bool:
@@ -342,16 +358,6 @@ def build_or_none(
             fallback,
         )
         return None
-
-
-def _remove_stale_lock(lock: Path) -> None:
-    """torch waits forever on the build lock of a build that was killed; a build takes well
-    under a minute, so a lock older than ``_STALE_LOCK_S`` is one nobody will release."""
-    try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
 
 
 @cache
