@@ -31,7 +31,6 @@ from cenote.server.errors import (
     APIError,
     BadRequest,
     BodyError,
-    ModelNotFound,
     PayloadTooLarge,
     Unauthorized,
     Unavailable,
@@ -208,6 +207,11 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": cenote.__version__})
 
 
+def _adapter_card(state: ServerState, name: str) -> dict[str, Any]:
+    """A served LoRA adapter: its base model is its ``parent`` (vLLM's card)."""
+    return {**_model_card(state), "id": name, "root": name, "parent": state.model_name}
+
+
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {
         "id": state.model_name,
@@ -223,17 +227,16 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 @router.get("/v1/models", responses=schema(ModelList, 401))
 async def list_models(raw_request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(get_state(raw_request))]})
+    state = get_state(raw_request)
+    adapters = [_adapter_card(state, m.lora_name) for m in state.engine_config.lora.modules]
+    return JSONResponse({"object": "list", "data": [_model_card(state), *adapters]})
 
 
 @router.get("/v1/models/{model:path}", responses=schema(ModelCard, 401, 404))
 async def retrieve_model(model: str, raw_request: Request) -> JSONResponse:
     state = get_state(raw_request)
-    if model != state.model_name:
-        raise ModelNotFound(
-            f"the model {model!r:.200} does not exist; this server serves {state.model_name!r}",
-            param="model",
-        )
+    if state.check_model(model) is not None:  # 404 unless the base or a served adapter
+        return JSONResponse(_adapter_card(state, model))
     return JSONResponse(_model_card(state))
 
 
