@@ -421,7 +421,7 @@ def _cli_kwargs(f: Field[Any], hint: Any) -> dict[str, Any]:
         if kind in members:
             return {**kwargs, "type": kind, "metavar": metavar}
     if any(get_origin(m) is list for m in members):  # --x A B C
-        return {**kwargs, "type": str, "nargs": "+", "metavar": "ENTRY"}
+        return {**kwargs, "type": str, "nargs": "+", "metavar": "NAME=PATH"}
     if any(get_origin(m) is dict or m is PoolerConfig for m in members):
         return {**kwargs, "type": parse_json_object, "metavar": "JSON"}
     raise TypeError(f"EngineArgs.{f.name}: no command-line form for {hint}; give it parse=")
