@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from cenote.lora.request import LoRARequest
 from cenote.models.hub_cache import ModelSource, locate_model
 from cenote.models.registry import ConvertOption, convert_architecture
 from cenote.models.st_config import SentenceTransformerConfig, load_st_config
@@ -263,12 +264,51 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (cenote/lora): the ones served by name, and the bounds of the resident set."""
+
+    modules: tuple[LoRARequest, ...] = ()  # --lora-modules, loaded at start, ids 1, 2, ...
+    max_loras: int = 8  # adapters resident at once
+    max_lora_rank: int = 64  # highest rank an adapter may have
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}) must be "
+                "positive"
+            )
+        if len(self.modules) > self.max_loras:
+            raise ValueError(
+                f"--lora-modules names {len(self.modules)} adapters, above max_loras="
+                f"{self.max_loras}; raise --max-loras"
+            )
+
+    def find(self, name: str) -> LoRARequest | None:
+        """The served adapter called ``name``, or None."""
+        return next((m for m in self.modules if m.lora_name == name), None)
+
+
+def parse_lora_modules(entries: list[str]) -> tuple[LoRARequest, ...]:
+    """``["name=path", ...]`` -> adapters numbered 1, 2, ... in order; names must differ."""
+    modules: list[LoRARequest] = []
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules entries are name=path, got {entry!r}")
+        if any(m.lora_name == name for m in modules):
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules.append(LoRARequest(name, len(modules) + 1, path))
+    return tuple(modules)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The whole tree. Options that cannot work together are refused here, with the numbers."""
 
     model: ModelConfig
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # torch threads of the engine core; None: the offline LLM keeps the process's setting, the
     # server's engine-core process uses every core it may run on
     num_threads: int | None = None

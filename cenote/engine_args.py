@@ -29,10 +29,12 @@ from cenote.config import (
     CacheConfig,
     DTypeName,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     PoolerConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    parse_lora_modules,
 )
 from cenote.models.registry import ConvertOption, get_entry
 from cenote.platform import DeviceName, check_device_options, resolve_device
@@ -189,6 +191,18 @@ class EngineArgs:
         "most a quarter of the available memory (with bf16 on AVX512-BF16, 4-bit layers "
         "multiply up to 32 rows on bf16 dot products even so, and up to 128 without a copy)",
     )
+    lora_modules: list[str] | None = option(
+        None,
+        "LoRA adapters served by name, as name=path (PEFT adapter folders); a request's model "
+        "field picks one by name, /v1/models lists them",
+        shown="none",
+    )
+    max_loras: int = option(
+        8,
+        "LoRA adapters resident at once (served and per-request ones together); a new one "
+        "evicts the least recently used adapter no request holds",
+    )
+    max_lora_rank: int = option(64, "highest LoRA rank an adapter may have (refused above)")
     seed: int = option(
         0,
         "kept for vLLM compatibility; a request without its own seed samples from torch's "
@@ -284,6 +298,11 @@ class EngineArgs:
             model=model_config,
             scheduler=scheduler,
             cache=cache,
+            lora=LoRAConfig(
+                modules=parse_lora_modules(self.lora_modules or []),
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+            ),
             num_threads=self.num_threads,
             seed=self.seed,
         )
@@ -401,6 +420,8 @@ def _cli_kwargs(f: Field[Any], hint: Any) -> dict[str, Any]:
     for kind, metavar in ((int, "N"), (float, "NUMBER"), (str, "TEXT")):
         if kind in members:
             return {**kwargs, "type": kind, "metavar": metavar}
+    if any(get_origin(m) is list for m in members):  # --x A B C
+        return {**kwargs, "type": str, "nargs": "+", "metavar": "NAME=PATH"}
     if any(get_origin(m) is dict or m is PoolerConfig for m in members):
         return {**kwargs, "type": parse_json_object, "metavar": "JSON"}
     raise TypeError(f"EngineArgs.{f.name}: no command-line form for {hint}; give it parse=")

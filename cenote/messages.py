@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+from cenote.lora.request import LoRARequest
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class EngineCoreRequest:
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
+    lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
 
 
 @dataclass

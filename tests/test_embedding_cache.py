@@ -23,6 +23,7 @@ from cenote.engine.embedding_cache import (
 )
 from cenote.engine.input_processor import ParentRequest
 from cenote.entrypoints import cli
+from cenote.lora.request import LoRARequest
 from cenote.messages import EngineCoreRequest
 from cenote.outputs import EmbeddingOutput, PoolingRequestOutput
 from cenote.pooling_params import PoolingParams
@@ -43,6 +44,7 @@ REQUEST_VARIANTS = {
     "prompt_token_ids": [101, 7, 102],
     "token_type_ids": [0, 0, 1],
     "pooling_params": PoolingParams(task="embed", normalize=False),
+    "lora_request": LoRARequest("sql", 1, "/adapters/sql"),
 }
 
 

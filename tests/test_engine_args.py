@@ -45,7 +45,9 @@ def _option_help(parser: argparse.ArgumentParser, monkeypatch) -> dict[str, str]
     options: dict[str, str] = {}
     flag = None
     for line in parser.format_help().splitlines():
-        start = re.match(r"  (--?[\w-]+)(?:, --[\w-]+)?(?: \S+)?(?:\s{2,}(.*))?$", line)
+        # a metavar, repeated for a list option (``--x ENTRY [ENTRY ...]``)
+        metavar = r"(?: \S+(?: \[\S+ \.\.\.\])?)?"
+        start = re.match(rf"  (--?[\w-]+)(?:, --[\w-]+)?{metavar}(?:\s{{2,}}(.*))?$", line)
         if start:
             flag = start[1]
             options[flag] = start[2] or ""

@@ -77,6 +77,8 @@ class EngineCore:
         keep_step_memory()  # from here on: steps, whose activations the next step reuses
         self.kv_cache_manager = kv_manager
         self.runner = ModelRunner(config, self.model, pooler, kv_caches)
+        for adapter in config.lora.modules:  # served by name: checked and resident from the start
+            self.runner.lora.activate(adapter)
         cacheable: frozenset[PoolingTask] = frozenset()  # tasks that may reuse the prefix cache
         if pooler is not None:
             tasks = pooler.get_supported_tasks()
@@ -159,9 +161,12 @@ class EngineCore:
             eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time,
             priority=request.priority,
+            lora_request=request.lora_request,
         )
         if request.request_id in self._compiling:  # the scheduler checks its own requests
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if request.lora_request is not None:
+            self.runner.lora.activate(request.lora_request, self._held_adapters())
         params = request.sampling_params
         if params is None or params.structured_outputs is None:
             self.scheduler.add_request(core_request)
@@ -170,6 +175,11 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         core_request.grammar = self._grammar_compiler().submit(params.structured_outputs)
         self._compiling[request.request_id] = core_request
+
+    def _held_adapters(self) -> set[int]:
+        """The LoRA adapters that requests in the engine run under (not to be evicted)."""
+        requests = [*self.scheduler.requests.values(), *self._compiling.values()]
+        return {r.lora_request.lora_int_id for r in requests if r.lora_request is not None}
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self.runner.sampler is None:

@@ -25,6 +25,7 @@ import torch
 
 from cenote.engine.input_processor import ParentRequest
 from cenote.engine_args import parse_bytes
+from cenote.lora.request import LoRARequest
 from cenote.messages import EngineCoreRequest
 from cenote.outputs import PoolingOutput, PoolingRequestOutput
 from cenote.pooling_params import PoolingParams
@@ -89,6 +90,8 @@ def _part(value: Any) -> Hashable:
             for f in dataclasses.fields(value)
             if f.name not in OUTPUT_NEUTRAL_PARAMS
         )
+    if isinstance(value, LoRARequest):  # the adapter: two adapters never share an entry
+        return ("lora", value.lora_int_id, value.lora_name, value.lora_path)
     assert not dataclasses.is_dataclass(value), f"no key form for {type(value).__name__}"
     return value  # type: ignore[no-any-return]
 

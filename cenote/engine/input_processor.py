@@ -19,6 +19,7 @@ from cenote.engine.params_validator import Params, ParamsValidator
 from cenote.engine.prompt_tokenizer import PromptTokenizer, TokenizedPrompt
 from cenote.errors import InvalidInputError, InvalidInputTypeError
 from cenote.inputs import PromptType
+from cenote.lora.request import LoRARequest
 from cenote.messages import EngineCoreRequest
 from cenote.models.colbert import TextRole
 from cenote.models.tokenizer import load_chat_template
@@ -104,6 +105,7 @@ class InputProcessor:
         label: str = "prompt",
         indices: Sequence[int] | None = None,
         max_tokens_per_doc: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ParentRequest]:
         """The requests of ``prompts`` (one params for all, or one each), texts tokenized in one
         call per truncation setting. Truncation is the params' (``truncate_prompt_tokens``,
@@ -114,7 +116,9 @@ class InputProcessor:
         writes them). ``role``: a ColBERT model formats pooled texts as a "query" or a
         "document". ``label`` and ``indices``: what the user calls the prompts and their
         positions, for error messages ("document 3 has ..."). ``max_tokens_per_doc`` cuts the
-        second text of pair prompts. Nothing is returned unless every prompt is valid."""
+        second text of pair prompts. ``lora_request``: the adapter every request runs under, or one per prompt (None: the
+        base model).
+        Nothing is returned unless every prompt is valid."""
         num = len(prompts)
         indices = list(indices) if indices is not None else list(range(num))
         params_list = per_prompt(params, num)
@@ -140,7 +144,7 @@ class InputProcessor:
                 num_tokens = len(tok.prompt_token_ids)
                 params_list[i] = self._fit_context(p, num_tokens, indices[i], default_max_tokens)
         # 4) engine requests; n > 1 and a chunked text's windows fan out
-        return [
+        parents = [
             self._chunked(request_id, tok, *windows[i], priority)
             if i in windows
             else self._parent(request_id, tok, p, priority)
@@ -148,6 +152,10 @@ class InputProcessor:
                 zip(request_ids, tokenized, params_list, strict=True)
             )
         ]
+        # 5) the adapter each runs under (the core loads it, or refuses the request)
+        for parent, adapter in zip(parents, _per_prompt_adapters(lora_request, num), strict=True):
+            assign_adapter([parent], adapter)
+        return parents
 
     def process_pair_windows(
         self,
@@ -438,3 +446,30 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     seed = params.seed + index if params.seed is not None else None
     return dataclasses.replace(params, n=1, seed=seed)
+
+
+def assign_adapter(requests: Sequence[ParentRequest], lora_request: LoRARequest | None) -> None:
+    """Run every engine request of ``requests`` under ``lora_request`` (None: the base)."""
+    for parent in requests:
+        for child in parent.children:
+            child.lora_request = lora_request
+
+
+def _per_prompt_adapters(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: the same for all, or one each (the counts must match)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    adapters = list(lora_request)
+    if len(adapters) != count:
+        raise InvalidInputError(
+            f"got {len(adapters)} lora_request entries for {count} prompts; give one for all "
+            "or one per prompt"
+        )
+    for adapter in adapters:
+        if adapter is not None and not isinstance(adapter, LoRARequest):
+            raise InvalidInputTypeError(
+                f"lora_request entries must be LoRARequest or None, got {type(adapter).__name__}"
+            )
+    return adapters

@@ -22,6 +22,7 @@ from cenote.engine.params_validator import Params
 from cenote.engine_args import EngineArgs, with_engine_args
 from cenote.errors import InvalidInputError, InvalidInputTypeError
 from cenote.inputs import ChatPrompt, PromptType
+from cenote.lora.request import LoRARequest
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import (
     ClassificationOutput,
@@ -39,6 +40,7 @@ from cenote.tasks import PoolingTask
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "PoolingParams",
     "StructuredOutputsParams",
     "SamplingParams",
@@ -67,6 +69,8 @@ class PoolOptions(TypedDict, total=False):
     # prompts, or the literal text (sentence-transformers' encode(prompt_name=, prompt=))
     prompt_name: str | None
     prompt: str | None
+    # the LoRA adapter every prompt runs under, or one per prompt (None: the base model)
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -241,6 +245,7 @@ class LLM:
         max_active_dims: int | None = None,
         prompt_name: str | None = None,
         prompt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput[_Output]]:
         """Run ``task`` on every prompt (its outputs are ``kind``); ``truncate_prompt_tokens``,
         ``max_active_dims`` and the instruction prompt, when given, override the params'."""
@@ -254,7 +259,9 @@ class LLM:
         if prompt_name is not None or prompt is not None:  # the call's choice replaces the params'
             bound = [dataclasses.replace(p, prompt_name=prompt_name, prompt=prompt) for p in bound]
         params = _bind(bound, truncate_prompt_tokens, max_active_dims=max_active_dims)
-        results = outputs_of(PoolingRequestOutput, self._run(prompt_list, params, use_tqdm))
+        results = outputs_of(
+            PoolingRequestOutput, self._run(prompt_list, params, use_tqdm, lora_request)
+        )
         assert all(isinstance(out.outputs, kind) for out in results), f"{task} outputs a {kind}"
         return results
 
@@ -266,9 +273,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Completions of each prompt, in input order (prompts may be text, token ids or chat
-        conversations: ``cenote.inputs``)."""
+        conversations: ``cenote.inputs``), under ``lora_request``'s adapter when given."""
         prompts = _as_list(prompts)
         if not prompts:
             return []
@@ -276,7 +284,7 @@ class LLM:
         # offline calls read only the finished result: no output is built before
         given = [_checked(SamplingParams, p, "generate") for p in per_prompt(params, len(prompts))]
         final = _bind(given, output_kind=RequestOutputKind.FINAL_ONLY)
-        return outputs_of(RequestOutput, self._run(prompts, final, use_tqdm))
+        return outputs_of(RequestOutput, self._run(prompts, final, use_tqdm, lora_request))
 
     def chat(
         self,
@@ -346,11 +354,17 @@ class LLM:
     # ---- the loop ---------------------------------------------------------------------------
 
     def _run(
-        self, prompts: list[PromptType], params: Sequence[Params], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: Sequence[Params],
+        use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[UserOutput]:
         """Process ``prompts`` (every one valid, or nothing runs) and run them to the end."""
         ids = [self._next_id() for _ in prompts]
-        requests = self.input_processor.process_batch(ids, prompts, params)
+        requests = self.input_processor.process_batch(
+            ids, prompts, params, lora_request=lora_request
+        )
         return self.client.run(requests, use_tqdm)
 
     def _next_id(self) -> str:

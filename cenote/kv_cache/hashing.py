@@ -48,7 +48,10 @@ def compute_block_hashes(
     Contract: after the call, ``len(request.block_hashes) == request.num_tokens // block_size``
     and hash ``i`` covers ``all_token_ids[: (i + 1) * block_size]``. Only blocks not hashed
     before are hashed (cheap to call every step). Returns the hashes added by this call.
+    ``extra_keys`` defaults to the request's own (``Request.block_hash_keys``: its adapter).
     """
+    if extra_keys is None:
+        extra_keys = request.block_hash_keys
     num_hashed = len(request.block_hashes)
     num_full_blocks = request.num_tokens // block_size
     if num_full_blocks <= num_hashed:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from cenote.config import ModelConfig
+from cenote.models.checkpoint_map import LinearSlot
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.embedding import Embedding
@@ -175,6 +176,24 @@ class BertModel(nn.Module):
         if module in _LAYER_NAMES:
             return f"layers.{index}.{_LAYER_NAMES[module]}.{kind}", None
         return None
+
+    def linear_slot(self, checkpoint_name: str) -> LinearSlot | None:
+        """Where ``<module>.weight`` lives: query/key/value are thirds of the fused ``qkv``
+        (``LoRATarget``)."""
+        target = self._map_name(checkpoint_name)
+        if target is None or not target[0].endswith(".weight"):
+            return None
+        module_name, shard = target[0].removesuffix(".weight"), target[1]
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:
+            return None
+        if not isinstance(module, nn.Linear):
+            return None
+        if shard is None:
+            return LinearSlot(module_name, 0, module.out_features)
+        size = module.out_features // 3
+        return LinearSlot(module_name, shard * size, (shard + 1) * size)
 
     def required_parameters(self) -> set[str]:
         names: set[str] = set()

@@ -22,6 +22,17 @@ class Slot:
 
 
 @dataclass(frozen=True)
+class LinearSlot:
+    """Where a checkpoint projection lives in a model: a linear module and the block of its
+    output rows it fills (a fused q/k/v or gate/up linear holds several). LoRA adapters on that
+    projection update exactly these rows (cenote/lora)."""
+
+    module: str  # our linear module's name
+    start: int  # first output row
+    end: int  # one past the last
+
+
+@dataclass(frozen=True)
 class CheckpointMap:
     """Checkpoint name -> slot of one model. ``prefixes`` are stripped from checkpoint names
     first (a trunk saved inside a task model: ``mpnet.``, ``distilbert.``); ``unused`` are

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cenote.models.checkpoint_map import LinearSlot
 from cenote.models.layers.decoder import DecoderAttention
-from cenote.models.layers.quant import QuantizedWeight
+from cenote.models.layers.quant import QuantizedWeight, QuantLinear
 from cenote.models.sliding_window import kv_free_window
 from cenote.models.weights import copy_weight
 
@@ -116,6 +117,22 @@ class DecoderBase(nn.Module):
             copy_weight(target, tensor, name)
             loaded.add(our_name if shard is None else f"{our_name}[{shard}]")
         return loaded
+
+    def linear_slot(self, checkpoint_name: str) -> LinearSlot | None:
+        """Where ``<module>.weight`` lives: q/k/v and gate/up are row blocks of the fused
+        ``qkv_proj`` / ``gate_up_proj`` (``LoRATarget``)."""
+        our_name, shard = map_name(self._checkpoint_name(checkpoint_name))
+        module_name, _, leaf = our_name.rpartition(".")
+        if leaf != "weight":
+            return None
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:
+            return None
+        if not isinstance(module, (nn.Linear, QuantLinear)):
+            return None
+        start, end = (0, module.out_features) if shard is None else self._shard_rows[shard]
+        return LinearSlot(module_name, start, end)
 
     def required_parameters(self) -> set[str]:
         names: set[str] = set()

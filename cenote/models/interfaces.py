@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from cenote.models.checkpoint_map import LinearSlot
     from cenote.models.layers.quant import QuantizedWeight
     from cenote.pooling.activation import Activation
     from cenote.pooling.methods import PoolingMethod
@@ -131,3 +132,14 @@ class QuantizedLoading(Protocol):
     ) -> set[str]: ...
 
     def finish_quantized(self, dtype: torch.dtype) -> None: ...
+
+
+@runtime_checkable
+class LoRATarget(Protocol):
+    """A model whose linear layers take LoRA adapters (cenote/lora): ``linear_slot`` says
+    where a checkpoint weight lives, as ``load_weights`` would copy it."""
+
+    def linear_slot(self, checkpoint_name: str) -> LinearSlot | None:
+        """The linear module and output rows that the checkpoint tensor ``checkpoint_name``
+        (``<module>.weight``, Hugging Face names) fills, or None where it fills no linear."""
+        ...

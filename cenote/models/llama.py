@@ -26,6 +26,7 @@ from cenote.models.layers.attention_plan import paged_plan
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
 from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
+from cenote.models.layers.lora import active_lora_batch
 from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.quant import QuantEmbedding, QuantizedWeight, QuantLinear
 from cenote.models.layers.rotary import RotaryEmbedding
@@ -171,7 +172,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | None:
         """The layer loop of ``_forward_fused`` as one C++ call (cenote/kernels/
         decode_stack.cpp, bit-identical) when every row is one new token of its request and
-        every projection has a weight the stack multiplies at this many rows; else None."""
+        every projection has a weight the stack multiplies at this many rows, and no row has a
+        LoRA adapter (the stack reads the base weights only); else None."""
+        if active_lora_batch() is not None:
+            return None
         metadata = get_attention_metadata()
         if metadata.kv_caches is None or metadata.slot_mapping is None:
             return None

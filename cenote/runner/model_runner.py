@@ -8,8 +8,10 @@ import torch
 
 from cenote.config import EngineConfig
 from cenote.forward_context import forward_context
+from cenote.lora.manager import LoRAManager
 from cenote.messages import LogprobsLists
 from cenote.models.interfaces import CausalLM, Model
+from cenote.models.layers.lora import lora_context
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.pooler import DispatchPooler
 from cenote.runner.batch import InputBatch, build_input_batch
@@ -64,6 +66,10 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._logit_biases: dict[str, TokenBias] = {}
         self._partial_hidden: dict[str, list[torch.Tensor]] = {}
+        lora = config.lora
+        self.lora = LoRAManager(
+            model, lora.max_loras, lora.max_lora_rank, config.model.dtype, self.device
+        )
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -82,7 +88,10 @@ class ModelRunner:
         batch = build_input_batch(
             scheduled, self.block_size, self.kv_caches, self.config.model.max_model_len, self.device
         )
-        with forward_context(batch.attention):
+        lora_batch = self.lora.step_batch(
+            [s.lora_int_id for s in scheduled], batch.row_ends, [s.num_tokens for s in scheduled]
+        )
+        with forward_context(batch.attention), lora_context(lora_batch):
             hidden = self.model(batch.input_ids, batch.positions, batch.token_type_ids)
         hidden = hidden[: batch.num_tokens]  # [num_tokens, hidden]: without the padding rows
         step = _Step(scheduled, batch, hidden)

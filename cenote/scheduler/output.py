@@ -29,6 +29,7 @@ class ScheduledRequest:
     completes_prompt: bool  # this step computes the last prompt token (pool now)
     needs_sample: bool  # this step reaches the end of the known tokens (sample now)
     grammar: RequestGrammar | None = None  # structured outputs: masks the sampled row
+    lora_int_id: int | None = None  # the LoRA adapter its rows run under; None: the base
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from cenote.lora.request import LoRARequest
     from cenote.pooling_params import PoolingParams
     from cenote.sampling_params import SamplingParams
     from cenote.structured.grammar import RequestGrammar
@@ -64,6 +65,14 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     grammar: RequestGrammar | None = None  # structured outputs: the output's matcher
+    lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
+
+    @property
+    def block_hash_keys(self) -> tuple[object, ...] | None:
+        """What its KV blocks' hashes add to the tokens: the adapter (the same prompt under two
+        adapters, or one and the base, never shares blocks)."""
+        lora = self.lora_request
+        return None if lora is None else ("lora", lora.lora_int_id, lora.lora_path)
 
     @property
     def is_pooling(self) -> bool:

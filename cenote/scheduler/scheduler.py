@@ -284,6 +284,7 @@ class Scheduler:
             completes_prompt=start < prompt_len <= end,
             needs_sample=request.sampling_params is not None and end == request.num_tokens,
             grammar=request.grammar,
+            lora_int_id=None if request.lora_request is None else request.lora_request.lora_int_id,
         )
 
     # ---- after the step ---------------------------------------------------------------------

@@ -204,6 +204,11 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": cenote.__version__})
 
 
+def _adapter_card(state: ServerState, name: str) -> dict[str, Any]:
+    """A served LoRA adapter: its base model is its ``parent`` (vLLM's card)."""
+    return {**_model_card(state), "id": name, "root": name, "parent": state.model_name}
+
+
 def _model_card(state: ServerState) -> dict[str, Any]:
     cores = [
         {"num_threads": threads, "cpu_ids": list(cpu_ids)}
@@ -225,13 +230,23 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 @router.get("/v1/models", responses=schema(ModelList, 401))
 async def list_models(raw_request: Request) -> JSONResponse:
     served = get_served(raw_request)
-    cards = [_model_card(state) for state in served.states.values()]
+    cards = [
+        card
+        for state in served.states.values()
+        for card in (
+            _model_card(state),
+            *(_adapter_card(state, m.lora_name) for m in state.engine_config.lora.modules),
+        )
+    ]
     return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model:path}", responses=schema(ModelCard, 401, 404))
 async def retrieve_model(model: str, raw_request: Request) -> JSONResponse:
-    return JSONResponse(_model_card(get_served(raw_request).named(model)))
+    state = get_served(raw_request).named(model)  # 404 unless a model or a served adapter
+    if state.check_model(model) is not None:
+        return JSONResponse(_adapter_card(state, model))
+    return JSONResponse(_model_card(state))
 
 
 @router.get(

@@ -76,7 +76,7 @@ def _job(state: ServerState, body: CompletionRequest | ChatCompletionRequest) ->
     requests = processor.process_batch(
         [f"{engine_id}-{i}" for i in range(len(prompts))], prompts, params,
         priority=body.priority, add_special_tokens=body.add_special_tokens,
-        default_max_tokens=default_max_tokens,
+        default_max_tokens=default_max_tokens, lora_request=state.check_model(body.model),
     )  # fmt: skip
     state.check_request_tokens(sum(len(r.prompt_token_ids) for r in requests))
     _check_generated_tokens(state, sum(_max_tokens(c) for r in requests for c in r.children))

@@ -185,7 +185,7 @@ def _prepare(
 ) -> tuple[list[ParentRequest], str]:
     """The requests of ``body`` (validated, tokenized) and the request id."""
     processor = state.processor()
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     if prompts is None:
         prompts = body.prompts()
     state.check_prompts(prompts)
@@ -201,6 +201,7 @@ def _prepare(
     requests = processor.process_batch(
         [f"{engine_id}-{i}" for i in range(len(prompts))], prompts, params,
         priority=body.priority, add_special_tokens=body.add_special_tokens,
+        lora_request=adapter,
     )  # fmt: skip
     num_tokens = sum(len(r.prompt_token_ids) for r in requests)
     state.check_request_tokens(num_tokens)

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from cenote.engine.input_processor import assign_adapter
 from cenote.engine.scoring import ScorePlan, pair_texts, plan_scores
 from cenote.outputs import PoolingRequestOutput
 from cenote.server.body import JSONRoute, answer_tei
@@ -209,7 +210,7 @@ def _prepare(
 ) -> tuple[ScorePlan, str]:
     """The score plan of ``body`` (its requests validated, tokenized) and the request id."""
     processor = state.processor()
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     pairs = pair_texts(text_1, text_2)
     names = ("text_1", "text_2") if prefix == "score" else ("query", "documents")
     state.check_texts([q for q, _ in pairs], names[0])
@@ -222,6 +223,7 @@ def _prepare(
         fit_documents=fit_documents, priority=body.priority,
         chunk_overlap=body.window_overlap(),
     )  # fmt: skip
+    assign_adapter(plan.requests, adapter)
     state.check_capacity(len(plan.requests))
     state.check_request_tokens(sum(len(r.prompt_token_ids) for r in plan.requests))
     return plan, request_id

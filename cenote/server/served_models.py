@@ -123,15 +123,25 @@ class ServedModels:
         return state
 
     def named(self, model: str) -> ServerState:
-        """The model served as ``model``; 404 naming the served ones when there is none."""
+        """The model served as ``model``, or the base of the LoRA adapter served as ``model``
+        (its ``check_model`` then names the adapter); 404 naming the served ones when there is
+        neither."""
         state = self.states.get(model)
-        if state is None:
-            served = ", ".join(repr(name) for name in self.states)
-            raise ModelNotFound(
-                f"the model {model!r:.200} does not exist; this server serves {served}",
-                param="model",
-            )
-        return state
+        if state is not None:
+            return state
+        for base in self.states.values():
+            if base.engine_config.lora.find(model) is not None:
+                return base
+        names = [
+            name
+            for base_name, base in self.states.items()
+            for name in (base_name, *(m.lora_name for m in base.engine_config.lora.modules))
+        ]
+        served = ", ".join(repr(name) for name in names)
+        raise ModelNotFound(
+            f"the model {model!r:.200} does not exist; this server serves {served}",
+            param="model",
+        )
 
     def _default_for(self, task: str | None) -> ServerState:
         if task is None or len(self.states) == 1:

@@ -27,6 +27,7 @@ from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import outputs_of
 from cenote.engine_args import option
 from cenote.inputs import PromptType
+from cenote.lora.request import LoRARequest
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import PoolingRequestOutput
 from cenote.server.errors import BadRequest, ModelNotFound, Overloaded, Unavailable
@@ -301,12 +302,20 @@ class ServerState:
             raise Unavailable("the server is starting; the model is not loaded yet")
         return self.input_processor
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404 for a
+        name that is neither the base model nor a served adapter."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.engine_config.lora.find(model)
+        if adapter is None:
+            names = [self.model_name, *(m.lora_name for m in self.engine_config.lora.modules)]
             raise ModelNotFound(
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {model!r:.200} does not exist; this server serves "
+                f"{', '.join(repr(n) for n in names)}",
                 param="model",
             )
+        return adapter
 
     def check_capacity(self, num_new: int) -> None:
         """429 when the requests beyond ``max_num_seqs`` would pass ``max_waiting_requests``."""

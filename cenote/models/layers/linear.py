@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cenote.kernels import cpu_features, quant_ops
+from cenote.models.layers.lora import LoRAHost
 from cenote.models.layers.norm import LayerNorm
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,19 @@ def packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-class TrunkLinear(nn.Linear):
+class TrunkLinear(LoRAHost, nn.Linear):
     """``nn.Linear`` that runs on a prepacked weight once ``prepack()`` was called (after the
     weights are loaded and cast), or on int8 weights and activations once ``quantize_w8a8()``
-    was. The dense ``weight`` stays for state dicts and fallbacks."""
+    was. The dense ``weight`` stays for state dicts and fallbacks. LoRA adapters of the step
+    add their updates after the base matmul (``LoRAHost``); with one active the fused
+    epilogues step aside, since the update must land before the GELU or the residual add."""
 
     _packed: torch.Tensor | None = None
     _int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.init_lora()
 
     def prepack(self) -> None:
         if self._int8 is None:  # w8a8 layers multiply on their int8 copy
@@ -90,13 +97,15 @@ class TrunkLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._int8 is not None and (out := self._int8_linear(x, None, False)) is not None:
-            return out
-        return packed_linear(x, self.weight, self._packed, self.bias)
+            return self.add_lora(x, out)
+        return self.add_lora(x, packed_linear(x, self.weight, self._packed, self.bias))
 
     def forward_gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         """``gelu(self(x))``: on a packed weight the GELU (erf or tanh) is the matmul's oneDNN
         epilogue, applied to the fp32 accumulators before the one rounding to the dtype (and
         so is the erf GELU of a w8a8 layer)."""
+        if self.lora_active():
+            return F.gelu(self(x), approximate=approximate)
         if self._int8 is not None and approximate == "none":
             out = self._int8_linear(x, None, True)
             if out is not None:
@@ -110,6 +119,8 @@ class TrunkLinear(nn.Linear):
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``: on a packed weight (or a w8a8 layer) the add is the matmul's
         epilogue."""
+        if self.lora_active():
+            return residual + self(x)
         if self._int8 is not None and (out := self._int8_linear(x, residual, False)) is not None:
             return out
         if self._fusable(x) and residual.dtype == x.dtype and residual.is_contiguous():

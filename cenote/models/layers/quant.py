@@ -25,6 +25,7 @@ from torch import nn
 
 from cenote.kernels import quant_ops
 from cenote.models.layers.linear import pack_weight, packed_linear
+from cenote.models.layers.lora import LoRAHost
 
 logger = logging.getLogger(__name__)
 
@@ -287,12 +288,14 @@ def quant_linear(
     return out if bias is None else out + bias
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(LoRAHost, nn.Module):
     """A linear layer whose weight is one or more row blocks of ``QuantizedWeight``s (fused
-    projections whose shards came in different formats keep one block each)."""
+    projections whose shards came in different formats keep one block each). LoRA adapters
+    stay dense beside it and add their updates after the quantized matmul (``LoRAHost``)."""
 
     def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None) -> None:
         super().__init__()
+        self.init_lora()
         merged = parts[0] if len(parts) == 1 else cat_rows(parts)
         self.parts = [merged] if merged is not None else parts
         self.in_features = parts[0].shape[1]
@@ -355,6 +358,9 @@ class QuantLinear(nn.Module):
         return self._dense_above_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_lora(x, self._base_forward(x))
+
+    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self._dense_above_rows < rows <= self.dot_max_rows and x.dtype == torch.bfloat16:
             ops = quant_ops()

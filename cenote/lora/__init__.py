@@ -1,0 +1,3 @@
+"""LoRA adapters per request: the request (``LoRARequest``), PEFT folders read and checked
+(``adapter``), and the adapters resident on a model (``manager``). The updates themselves run in
+the shared linear layers (``cenote/models/layers/lora.py``)."""

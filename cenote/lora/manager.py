@@ -1,0 +1,156 @@
+"""The adapters resident on one model, and which rows of a step run under each.
+
+``LoRAManager.activate`` reads an adapter folder once (``adapter.read_adapter``), checks every
+projection against the model (``LoRATarget.linear_slot``: module and output rows, fused q/k/v
+and gate/up included) and writes its blocks into those linear layers (``LoRAHost``). At most
+``max_loras`` adapters are resident; a new one evicts the least recently used adapter no
+request in the engine holds, and is refused when every resident adapter is held.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+
+import torch
+from torch import nn
+
+from cenote.lora.adapter import LoRAAdapter, read_adapter
+from cenote.lora.request import LoRARequest
+from cenote.models.interfaces import LoRATarget
+from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost
+
+
+class LoRAManager:
+    """Resident adapters by ``lora_int_id``, least recently used first."""
+
+    def __init__(
+        self,
+        model: object,  # the model: a ``LoRATarget`` takes adapters, others refuse them
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
+        self._resident: OrderedDict[int, tuple[LoRARequest, list[LoRAHost]]] = OrderedDict()
+
+    @property
+    def resident(self) -> list[LoRARequest]:
+        return [request for request, _ in self._resident.values()]
+
+    def activate(self, request: LoRARequest, held: Collection[int] = ()) -> None:
+        """Make ``request``'s adapter resident (a no-op when it is); ``held`` are the ids that
+        requests in the engine run under (never evicted). ValueError names what is wrong."""
+        entry = self._resident.get(request.lora_int_id)
+        if entry is not None:
+            if entry[0] != request:
+                raise ValueError(
+                    f"lora_int_id {request.lora_int_id} is adapter {entry[0].lora_name!r} "
+                    f"({entry[0].lora_path}); {request.lora_name!r} ({request.lora_path}) "
+                    "needs an id of its own"
+                )
+            self._resident.move_to_end(request.lora_int_id)
+            return
+        if not isinstance(self.model, LoRATarget):
+            raise ValueError(f"{type(self.model).__name__} takes no LoRA adapters")
+        adapter = read_adapter(request.lora_path, self.max_lora_rank)
+        blocks = self._place(adapter)  # checks everything before anything is written
+        if len(self._resident) >= self.max_loras:
+            self._evict_one(held, request)
+        hosts = []
+        for host, host_blocks in blocks.items():
+            host.lora_blocks[request.lora_int_id] = tuple(host_blocks)
+            hosts.append(host)
+        self._resident[request.lora_int_id] = (request, hosts)
+
+    def deactivate(self, lora_int_id: int) -> bool:
+        """Drop a resident adapter; returns whether it was resident."""
+        entry = self._resident.pop(lora_int_id, None)
+        if entry is None:
+            return False
+        for host in entry[1]:
+            del host.lora_blocks[lora_int_id]
+        return True
+
+    def _evict_one(self, held: Collection[int], incoming: LoRARequest) -> None:
+        for lora_int_id in self._resident:  # least recently used first
+            if lora_int_id not in held:
+                self.deactivate(lora_int_id)
+                return
+        raise ValueError(
+            f"cannot load LoRA adapter {incoming.lora_name!r}: max_loras={self.max_loras} "
+            f"adapters are resident and all are in use by running requests; retry later or "
+            "raise --max-loras"
+        )
+
+    def _place(self, adapter: LoRAAdapter) -> dict[LoRAHost, list[LoRABlock]]:
+        """Each projection's blocks on the model's linear layers, shapes checked."""
+        model = self.model
+        assert isinstance(model, LoRATarget) and isinstance(model, nn.Module)
+        blocks: dict[LoRAHost, list[LoRABlock]] = {}
+        for name, factors in adapter.factors.items():
+            slot = model.linear_slot(name)
+            module = None if slot is None else _submodule(model, slot.module)
+            if slot is None or not isinstance(module, LoRAHost):
+                raise ValueError(
+                    f"LoRA adapter {adapter.path} targets {name.removesuffix('.weight')!r}, "
+                    f"which is not a linear layer of {type(model).__name__} that adapters "
+                    "apply to (supported: the attention and MLP projections of the trunk)"
+                )
+            in_features = _in_features(module)
+            rows = slot.end - slot.start
+            if factors.a.shape[1] != in_features or factors.b.shape[0] != rows:
+                raise ValueError(
+                    f"LoRA adapter {adapter.path} does not fit this base model: "
+                    f"{name.removesuffix('.weight')} lora_A is {tuple(factors.a.shape)} and "
+                    f"lora_B {tuple(factors.b.shape)}, the base weight is "
+                    f"({rows}, {in_features}); is it an adapter for another base model?"
+                )
+            block = LoRABlock(
+                factors.a.to(self.device, self.dtype).contiguous(),
+                factors.b.to(self.device, self.dtype).contiguous(),
+                slot.start,
+                slot.end,
+            )
+            blocks.setdefault(module, []).append(block)
+        return blocks
+
+    def step_batch(
+        self, adapter_ids: Sequence[int | None], row_ends: Sequence[int], num_tokens: Sequence[int]
+    ) -> LoRABatch | None:
+        """The step's row groups: request ``i`` (adapter ``adapter_ids[i]``, None: the base)
+        owns rows ``row_ends[i] - num_tokens[i] ... row_ends[i]``. None when no row has an
+        adapter, so the base model's fused paths run."""
+        if all(adapter_id is None for adapter_id in adapter_ids):
+            return None
+        if all(adapter_id == adapter_ids[0] for adapter_id in adapter_ids):
+            assert adapter_ids[0] is not None
+            return LoRABatch((LoRAGroup(adapter_ids[0], None),))
+        rows: dict[int, list[torch.Tensor]] = {}
+        for adapter_id, end, count in zip(adapter_ids, row_ends, num_tokens, strict=True):
+            if adapter_id is not None:
+                rows.setdefault(adapter_id, []).append(torch.arange(end - count, end))
+        groups = tuple(
+            LoRAGroup(adapter_id, torch.cat(ranges).to(self.device))
+            for adapter_id, ranges in rows.items()
+        )
+        return LoRABatch(groups)
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _in_features(module: LoRAHost) -> int:
+    assert isinstance(module, nn.Module)
+    in_features = module.in_features
+    assert isinstance(in_features, int)
+    return in_features
