@@ -48,13 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     models.add_argument(
         "--model", dest="models", action="append", metavar="NAME=PATH",
         help="serve PATH as NAME (repeat for each model; a request that names none goes to the "
-        "first that serves its task); a bare PATH is the positional MODEL",
+        "first that serves its task); a bare PATH is the positional MODEL (default: the positional "
+        "MODEL alone)",
     )  # fmt: skip
     models.add_argument(
         "--config", metavar="FILE",
         help='a JSON file {"models": {"NAME": {"model": PATH, "dtype": ..., '
         '"max_model_len": ..., "data_parallel_size": ...}}}: per-model engine options (every '
-        "engine option, data_parallel_size, chat_template) over the command line's",
+        "engine option, data_parallel_size, chat_template) over the command line's (default: none)",
     )  # fmt: skip
     add_arguments(serve.add_argument_group("server options"), ServerOptions)
     run_batch.add_parser(commands)
