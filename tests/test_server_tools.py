@@ -7,6 +7,7 @@ schema, streamed and not, the 400s naming their field; and offline ``LLM.chat(to
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -14,7 +15,7 @@ import pytest
 from factories.decoders import make_byte_level_decoder
 from factories.generation import make_llm
 
-from cenote import SamplingParams
+from cenote import SamplingParams, StructuredOutputsParams
 from tests.server_fixture import ServerProcess
 
 TIMEOUT = 120
@@ -143,6 +144,55 @@ def test_auto_with_garbage_output_is_plain_content(server):
     plain = _whole(_chat(server, tools=TOOLS, tool_choice="none"))
     assert plain["calls"] == []
     assert _joined(_stream(server, tools=TOOLS)) == whole
+
+
+# a regex makes the random model write calls in the template's (hermes) format, as a model
+# that chose to call would: tool_choice auto must find them, none must leave them as text
+CLOCK_CALL = '<tool_call>\n{"name": "clock", "arguments": {"zone": "%s"}}\n</tool_call>'
+TWO_CALLS = "Checking.\n" + CLOCK_CALL % "utc" + "\n" + CLOCK_CALL % "cet"
+
+
+def test_auto_reads_the_calls_the_model_wrote(server):
+    """tool_choice auto: the calls in the output (whatever made the model write them) become
+    tool_calls, finish_reason tool_calls, streamed as whole; parallel_tool_calls false keeps the
+    first (vLLM, OpenAI); tool_choice none and requests without tools leave the text as it is."""
+    fields = dict(tools=TOOLS, guided_regex=re.escape(TWO_CALLS), max_tokens=200)
+    whole = _whole(_chat(server, **fields))
+    arguments = ['{"zone": "utc"}', '{"zone": "cet"}']
+    assert whole["content"] == "Checking." and whole["finish"] == "tool_calls", whole
+    assert [(c["name"], c["arguments"]) for c in whole["calls"]] == [
+        ("clock", a) for a in arguments
+    ]
+    assert _without_ids(_joined(_stream(server, **fields))) == _without_ids(whole)
+    one = dict(fields, parallel_tool_calls=False)
+    first = _whole(_chat(server, **one))
+    assert [c["arguments"] for c in first["calls"]] == arguments[:1]
+    assert first["content"] == "Checking." and first["finish"] == "tool_calls"
+    assert _without_ids(_joined(_stream(server, **one))) == _without_ids(first)
+    for plain in (dict(fields, tool_choice="none"), dict(fields, tools=None)):
+        text = _whole(_chat(server, **plain))
+        assert text == {"content": TWO_CALLS, "reasoning": None, "calls": [], "finish": "stop"}
+        assert _joined(_stream(server, **plain)) == text
+
+
+def test_reasoning_streams_as_deltas(server):
+    """--reasoning-parser qwen3: the thinking the model wrote is reasoning_content, streamed
+    over several deltas that add up to the whole answer's; with chat_template_kwargs
+    enable_thinking false the output is all content, as written."""
+    fields = dict(guided_regex=r"<think>[a-z]{12}</think>[a-z]{6}", max_tokens=60)
+    whole = _whole(_chat(server, **fields))
+    assert re.fullmatch("[a-z]{12}", whole["reasoning"]) and re.fullmatch(
+        "[a-z]{6}", whole["content"]
+    )
+    chunks = _stream(server, **fields)
+    parts = [c["choices"][0]["delta"].get("reasoning_content") for c in chunks if c["choices"]]
+    assert len([p for p in parts if p]) > 1, parts  # deltas, not one block at the end
+    assert _joined(chunks) == whole
+    off = dict(fields, chat_template_kwargs={"enable_thinking": False})
+    text = _whole(_chat(server, **off))
+    assert text["reasoning"] is None
+    assert text["content"] == f"<think>{whole['reasoning']}</think>{whole['content']}"
+    assert _joined(_stream(server, **off)) == text
 
 
 @pytest.mark.parametrize(
@@ -277,3 +327,16 @@ def test_llm_chat_with_tools(model_folder):
         chat_template_kwargs={"enable_thinking": True},
     )[0].outputs[0]  # fmt: skip
     assert thinking.reasoning_content == plain.text  # no </think>: all thinking
+    off = llm.chat(
+        USER, SamplingParams(temperature=0, max_tokens=8), reasoning_parser="deepseek_r1",
+        chat_template_kwargs={"enable_thinking": False},
+    )[0].outputs[0]  # fmt: skip
+    assert off.reasoning_content is None and off.text == plain.text  # thinking off: the answer
+    calls = SamplingParams(
+        temperature=0, max_tokens=200,
+        structured_outputs=StructuredOutputsParams(regex=re.escape(TWO_CALLS)),
+    )  # fmt: skip
+    both = llm.chat(USER, calls, tools=TOOLS)[0].outputs[0]
+    assert [c.function.arguments for c in both.tool_calls] == ['{"zone": "utc"}', '{"zone": "cet"}']
+    one = llm.chat(USER, calls, tools=TOOLS, parallel_tool_calls=False)[0].outputs[0]
+    assert [c.function.arguments for c in one.tool_calls] == ['{"zone": "utc"}']
