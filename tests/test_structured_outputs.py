@@ -131,6 +131,50 @@ def test_constrained_rows_leave_their_step_unchanged(llm):
     _check({"json": NESTED}, together[1].outputs[0].text)
 
 
+def test_constrained_plain_and_pooling_rows_in_one_step(llm):
+    """A constrained decode, a plain decode and an embedding prefill in the same step each give
+    what they give alone (tokens identical; the embedding within 1e-5); the constrained prompt
+    run again is served from the prefix cache and writes the same tokens."""
+    import torch
+
+    from cenote import PoolingParams
+
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    constrained = _params({"json": NESTED, "whitespace_pattern": ""}, None)
+    raw = PoolingParams(normalize=False)
+    prompts = [{"prompt_token_ids": [1, *range(30, 70)]}, {"prompt_token_ids": [1, 80, 90]}]
+    embed_prompt = {"prompt_token_ids": [1, *range(50, 62)]}
+    alone = [
+        llm.generate([p], [q], use_tqdm=False)[0]
+        for p, q in zip(prompts, [constrained, plain], strict=True)
+    ]
+    embedding = llm.embed([embed_prompt], raw, use_tqdm=False)[0].outputs.data
+
+    steps = record_steps(llm)
+    ids = ["constrained", "plain"]
+    llm.client.add(llm.input_processor.process_batch(ids, prompts, [constrained, plain]))
+    for _ in range(20):  # until both decode (the grammar compiles on its own thread)
+        llm.client.outputs()
+        if {s.request_id for s in steps[-1].scheduled if s.needs_sample} == set(ids):
+            break
+    llm.client.add(
+        llm.input_processor.process_batch(["embed"], [embed_prompt], [raw.with_task("embed")])
+    )
+    llm.client.outputs()
+    kinds = {s.request_id: s for s in steps[-1].scheduled}
+    assert set(kinds) == {*ids, "embed"}, kinds
+    assert kinds["constrained"].grammar is not None and kinds["constrained"].grammar.active
+    together = llm.client.wait([*ids, "embed"])
+    for a, b in zip(alone, together[:2], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    torch.testing.assert_close(together[2].outputs.data, embedding, atol=1e-5, rtol=0)
+    _check({"json": NESTED}, together[0].outputs[0].text)
+
+    again = llm.generate([prompts[0]], [constrained], use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
 def test_the_grammar_ends_the_request(llm):
     """A complete grammar finishes its request ("stop"), past ignore_eos, and before max_tokens;
     min_tokens cannot push it past the grammar's end."""

@@ -347,6 +347,45 @@ def test_template_renders_tools_and_tool_call_round_trips():
         render_chat(TEMPLATE, bad)
 
 
+def test_tool_conversations_render_as_transformers_renders_them():
+    """Tools, an assistant turn with tool_calls (arguments as OpenAI's JSON string) and the
+    tool's result render exactly as transformers' ``apply_chat_template(tools=...)`` renders
+    the same conversation (arguments as the object HF templates read)."""
+    from transformers import PreTrainedTokenizerFast
+
+    template = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>{% endif %}"
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} "
+        "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}"
+        "{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    arguments = {"city": "Zürich", "days": 2, "tags": ["a", "b"]}
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather"}}
+    messages = [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{**call, "function": {**call["function"],
+                                              "arguments": json.dumps(arguments)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21°C"},
+    ]  # fmt: skip
+    tools = _plan().template_tools()
+    ours = render_chat(template, messages, tools=tools)
+    hf_messages = [dict(m) for m in messages]
+    hf_messages[2] = {**messages[2], "content": "", "tool_calls": [
+        {**call, "function": {**call["function"], "arguments": arguments}}]}  # fmt: skip
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    )
+    hf.chat_template = template
+    theirs = hf.apply_chat_template(
+        hf_messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs
+
+
 def test_a_constraint_starts_after_a_one_token_end_of_thinking():
     """With a reasoning format, the output constraint starts after ``</think>`` where the
     vocabulary has it as one token (Qwen3, DeepSeek-R1); not with thinking turned off, nor
