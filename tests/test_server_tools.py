@@ -216,6 +216,27 @@ def test_forced_calls_validate_against_their_schema(server, tool_choice, seed):
     assert len({c["id"] for c in streamed["calls"]}) == len(streamed["calls"])
 
 
+def test_n_choices_stream_their_own_calls(server):
+    """n=2 sampled forced calls: each streamed choice (its deltas by index) adds up to the
+    same choice of the whole answer."""
+    fields = dict(tools=TOOLS, tool_choice="required", n=2, temperature=1.0, seed=5,
+                  max_tokens=120)  # fmt: skip
+    response = _chat(server, **fields)
+    assert response.status_code == 200, response.text
+    whole = response.json()["choices"]
+    chunks = _stream(server, **fields)
+    for index in (0, 1):
+        mine = [{"choices": [c for c in chunk["choices"] if c["index"] == index]}
+                for chunk in chunks]  # fmt: skip
+        message = whole[index]["message"]
+        expected = {"content": message["content"], "reasoning": message["reasoning_content"],
+                    "calls": [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                              for c in message.get("tool_calls") or []],
+                    "finish": whole[index]["finish_reason"]}  # fmt: skip
+        assert expected["calls"], message
+        assert _without_ids(_joined(mine)) == expected
+
+
 def test_parallel_tool_calls_false_gives_one_call(server):
     for seed in (1, 2, 3):
         whole = _whole(
