@@ -361,3 +361,31 @@ def test_llm_chat_with_tools(model_folder):
     assert [c.function.arguments for c in both.tool_calls] == ['{"zone": "utc"}', '{"zone": "cet"}']
     one = llm.chat(USER, calls, tools=TOOLS, parallel_tool_calls=False)[0].outputs[0]
     assert [c.function.arguments for c in one.tool_calls] == ['{"zone": "utc"}']
+
+
+def test_smollm2_gguf_forced_calls_with_a_tool_template():
+    """The real GGUF (byte-level BPE from the file) under a chat template that renders tools:
+    required and named tool_choice give one call whose arguments validate, greedy and sampled
+    (with parallel calls allowed, the 135M model repeats its call until max_tokens); auto
+    parses whatever it wrote without failing."""
+    from factories.generation import smollm2_path
+
+    from cenote import LLM
+
+    llm = LLM(str(smollm2_path()), num_threads=2)
+    question = [{"role": "user", "content": "What is the weather in Oslo for 3 days?"}]
+    for seed in (None, 4):
+        params = SamplingParams(temperature=0 if seed is None else 1.0, seed=seed, max_tokens=120)
+        for choice in ("required", {"type": "function", "function": {"name": "weather"}}):
+            reply = llm.chat(question, params, chat_template=TEMPLATE, tools=TOOLS,
+                             tool_choice=choice, parallel_tool_calls=False,
+                             use_tqdm=False)[0].outputs[0]  # fmt: skip
+            assert reply.finish_reason == "stop" and len(reply.tool_calls) == 1, reply.text
+            for call in reply.tool_calls:
+                assert isinstance(choice, str) or call.function.name == "weather"
+                jsonschema.validate(
+                    json.loads(call.function.arguments), SCHEMAS[call.function.name]
+                )
+    auto = llm.chat(question, SamplingParams(temperature=0, max_tokens=40),
+                    chat_template=TEMPLATE, tools=TOOLS, use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert auto.tool_calls is not None
