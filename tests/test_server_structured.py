@@ -82,15 +82,6 @@ def test_json_schema_streamed_and_not(smollm2_server):
     assert "".join(deltas) == text
 
 
-def test_response_format_json_object(smollm2_server):
-    """``response_format: {"type": "json_object"}``: the answer is one JSON object."""
-    body = _chat('Reply with a JSON object: {"answer": 2} for 1+1.', max_tokens=60,
-                 response_format={"type": "json_object"})  # fmt: skip
-    choice = _post(smollm2_server, "/v1/chat/completions", body).json()["choices"][0]
-    assert choice["finish_reason"] == "stop", choice
-    assert isinstance(json.loads(choice["message"]["content"]), dict)
-
-
 @pytest.mark.parametrize(
     ("fields", "check"),
     [
