@@ -90,6 +90,11 @@ def test_json_schema_streamed_and_not(smollm2_server):
         ({"structured_outputs": {"regex": "[0-9]{2}:[0-9]{2}"}}, "[0-9]{2}:[0-9]{2}"),
         ({"guided_regex": "(yes|no), [a-z]{1,8}"}, "(yes|no), [a-z]{1,8}"),
         ({"guided_grammar": 'root ::= "A" | "B" | "C"'}, "A|B|C"),
+        ({"guided_json": {"enum": ["yes", "no"]}}, '"(yes|no)"'),
+        (
+            {"structured_outputs": {"json": {"type": "integer", "minimum": 10, "maximum": 99}}},
+            "[1-9][0-9]",
+        ),
         ({"structured_outputs": {"grammar": 'start: "x" /[0-9]{3}/'}}, "x[0-9]{3}"),
     ],
 )
@@ -131,5 +136,25 @@ def test_bad_constraints_answer_400_naming_the_field(smollm2_server, fields, par
         error = response.json()["error"]
         assert words in error["message"], error
         assert (error.get("param") or "").startswith(param), error
+    ok = _post(smollm2_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammar_refused_by_the_engine_is_a_400(smollm2_server, stream):
+    """A grammar whose special tokens only the model's vocabulary can check (llguidance
+    compiles it in the engine core): a 400 with the reason (in the stream: an error event
+    with code 400), and the server serves on."""
+    body = _chat("Hi", max_tokens=4, structured_outputs={"grammar": "start: <|no_such|>"})
+    response = _post(smollm2_server, "/v1/chat/completions", {**body, "stream": stream})
+    if stream:
+        events = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        error = events[-1]["error"]
+        assert error["code"] == 400, events
+    else:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+    assert 'unknown special token: "<|no_such|>"' in error["message"], error
     ok = _post(smollm2_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200

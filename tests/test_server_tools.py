@@ -7,6 +7,7 @@ schema, streamed and not, the 400s naming their field; and offline ``LLM.chat(to
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -14,7 +15,7 @@ import pytest
 from factories.decoders import make_byte_level_decoder
 from factories.generation import make_llm
 
-from cenote import SamplingParams
+from cenote import SamplingParams, StructuredOutputsParams
 from tests.server_fixture import ServerProcess
 
 TIMEOUT = 120
@@ -145,6 +146,55 @@ def test_auto_with_garbage_output_is_plain_content(server):
     assert _joined(_stream(server, tools=TOOLS)) == whole
 
 
+# a regex makes the random model write calls in the template's (hermes) format, as a model
+# that chose to call would: tool_choice auto must find them, none must leave them as text
+CLOCK_CALL = '<tool_call>\n{"name": "clock", "arguments": {"zone": "%s"}}\n</tool_call>'
+TWO_CALLS = "Checking.\n" + CLOCK_CALL % "utc" + "\n" + CLOCK_CALL % "cet"
+
+
+def test_auto_reads_the_calls_the_model_wrote(server):
+    """tool_choice auto: the calls in the output (whatever made the model write them) become
+    tool_calls, finish_reason tool_calls, streamed as whole; parallel_tool_calls false keeps the
+    first (vLLM, OpenAI); tool_choice none and requests without tools leave the text as it is."""
+    fields = dict(tools=TOOLS, guided_regex=re.escape(TWO_CALLS), max_tokens=200)
+    whole = _whole(_chat(server, **fields))
+    arguments = ['{"zone": "utc"}', '{"zone": "cet"}']
+    assert whole["content"] == "Checking." and whole["finish"] == "tool_calls", whole
+    assert [(c["name"], c["arguments"]) for c in whole["calls"]] == [
+        ("clock", a) for a in arguments
+    ]
+    assert _without_ids(_joined(_stream(server, **fields))) == _without_ids(whole)
+    one = dict(fields, parallel_tool_calls=False)
+    first = _whole(_chat(server, **one))
+    assert [c["arguments"] for c in first["calls"]] == arguments[:1]
+    assert first["content"] == "Checking." and first["finish"] == "tool_calls"
+    assert _without_ids(_joined(_stream(server, **one))) == _without_ids(first)
+    for plain in (dict(fields, tool_choice="none"), dict(fields, tools=None)):
+        text = _whole(_chat(server, **plain))
+        assert text == {"content": TWO_CALLS, "reasoning": None, "calls": [], "finish": "stop"}
+        assert _joined(_stream(server, **plain)) == text
+
+
+def test_reasoning_streams_as_deltas(server):
+    """--reasoning-parser qwen3: the thinking the model wrote is reasoning_content, streamed
+    over several deltas that add up to the whole answer's; with chat_template_kwargs
+    enable_thinking false the output is all content, as written."""
+    fields = dict(guided_regex=r"<think>[a-z]{12}</think>[a-z]{6}", max_tokens=60)
+    whole = _whole(_chat(server, **fields))
+    assert re.fullmatch("[a-z]{12}", whole["reasoning"]) and re.fullmatch(
+        "[a-z]{6}", whole["content"]
+    )
+    chunks = _stream(server, **fields)
+    parts = [c["choices"][0]["delta"].get("reasoning_content") for c in chunks if c["choices"]]
+    assert len([p for p in parts if p]) > 1, parts  # deltas, not one block at the end
+    assert _joined(chunks) == whole
+    off = dict(fields, chat_template_kwargs={"enable_thinking": False})
+    text = _whole(_chat(server, **off))
+    assert text["reasoning"] is None
+    assert text["content"] == f"<think>{whole['reasoning']}</think>{whole['content']}"
+    assert _joined(_stream(server, **off)) == text
+
+
 @pytest.mark.parametrize(
     "tool_choice", ["required", {"type": "function", "function": {"name": "clock"}}]
 )
@@ -164,6 +214,27 @@ def test_forced_calls_validate_against_their_schema(server, tool_choice, seed):
     streamed = _joined(_stream(server, **fields))
     assert _without_ids(streamed) == _without_ids(whole)
     assert len({c["id"] for c in streamed["calls"]}) == len(streamed["calls"])
+
+
+def test_n_choices_stream_their_own_calls(server):
+    """n=2 sampled forced calls: each streamed choice (its deltas by index) adds up to the
+    same choice of the whole answer."""
+    fields = dict(tools=TOOLS, tool_choice="required", n=2, temperature=1.0, seed=5,
+                  max_tokens=120)  # fmt: skip
+    response = _chat(server, **fields)
+    assert response.status_code == 200, response.text
+    whole = response.json()["choices"]
+    chunks = _stream(server, **fields)
+    for index in (0, 1):
+        mine = [{"choices": [c for c in chunk["choices"] if c["index"] == index]}
+                for chunk in chunks]  # fmt: skip
+        message = whole[index]["message"]
+        expected = {"content": message["content"], "reasoning": message["reasoning_content"],
+                    "calls": [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                              for c in message.get("tool_calls") or []],
+                    "finish": whole[index]["finish_reason"]}  # fmt: skip
+        assert expected["calls"], message
+        assert _without_ids(_joined(mine)) == expected
 
 
 def test_parallel_tool_calls_false_gives_one_call(server):
@@ -277,3 +348,44 @@ def test_llm_chat_with_tools(model_folder):
         chat_template_kwargs={"enable_thinking": True},
     )[0].outputs[0]  # fmt: skip
     assert thinking.reasoning_content == plain.text  # no </think>: all thinking
+    off = llm.chat(
+        USER, SamplingParams(temperature=0, max_tokens=8), reasoning_parser="deepseek_r1",
+        chat_template_kwargs={"enable_thinking": False},
+    )[0].outputs[0]  # fmt: skip
+    assert off.reasoning_content is None and off.text == plain.text  # thinking off: the answer
+    calls = SamplingParams(
+        temperature=0, max_tokens=200,
+        structured_outputs=StructuredOutputsParams(regex=re.escape(TWO_CALLS)),
+    )  # fmt: skip
+    both = llm.chat(USER, calls, tools=TOOLS)[0].outputs[0]
+    assert [c.function.arguments for c in both.tool_calls] == ['{"zone": "utc"}', '{"zone": "cet"}']
+    one = llm.chat(USER, calls, tools=TOOLS, parallel_tool_calls=False)[0].outputs[0]
+    assert [c.function.arguments for c in one.tool_calls] == ['{"zone": "utc"}']
+
+
+def test_smollm2_gguf_forced_calls_with_a_tool_template():
+    """The real GGUF (byte-level BPE from the file) under a chat template that renders tools:
+    required and named tool_choice give one call whose arguments validate, greedy and sampled
+    (with parallel calls allowed, the 135M model repeats its call until max_tokens); auto
+    parses whatever it wrote without failing."""
+    from factories.generation import smollm2_path
+
+    from cenote import LLM
+
+    llm = LLM(str(smollm2_path()), num_threads=2)
+    question = [{"role": "user", "content": "What is the weather in Oslo for 3 days?"}]
+    for seed in (None, 4):
+        params = SamplingParams(temperature=0 if seed is None else 1.0, seed=seed, max_tokens=120)
+        for choice in ("required", {"type": "function", "function": {"name": "weather"}}):
+            reply = llm.chat(question, params, chat_template=TEMPLATE, tools=TOOLS,
+                             tool_choice=choice, parallel_tool_calls=False,
+                             use_tqdm=False)[0].outputs[0]  # fmt: skip
+            assert reply.finish_reason == "stop" and len(reply.tool_calls) == 1, reply.text
+            for call in reply.tool_calls:
+                assert isinstance(choice, str) or call.function.name == "weather"
+                jsonschema.validate(
+                    json.loads(call.function.arguments), SCHEMAS[call.function.name]
+                )
+    auto = llm.chat(question, SamplingParams(temperature=0, max_tokens=40),
+                    chat_template=TEMPLATE, tools=TOOLS, use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert auto.tool_calls is not None

@@ -131,6 +131,56 @@ def test_constrained_rows_leave_their_step_unchanged(llm):
     _check({"json": NESTED}, together[1].outputs[0].text)
 
 
+def test_constrained_plain_and_pooling_rows_in_one_step(llm):
+    """A constrained decode, a plain decode and an embedding prefill in the same step each give
+    what they give alone (tokens identical; the embedding within 1e-5); the constrained prompt
+    run again is served from the prefix cache and writes the same tokens."""
+    import torch
+
+    from cenote import PoolingParams
+
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    constrained = _params({"json": NESTED, "whitespace_pattern": ""}, None)
+    raw = PoolingParams(normalize=False)
+    prompts = [{"prompt_token_ids": [1, *range(30, 70)]}, {"prompt_token_ids": [1, 80, 90]}]
+    embed_prompt = {"prompt_token_ids": [1, *range(50, 62)]}
+    alone = [
+        llm.generate([p], [q], use_tqdm=False)[0]
+        for p, q in zip(prompts, [constrained, plain], strict=True)
+    ]
+    embedding = llm.embed([embed_prompt], raw, use_tqdm=False)[0].outputs.data
+
+    steps = record_steps(llm)
+    ids = ["constrained", "plain"]
+    finished: dict = {}  # outputs of requests that finished while the test stepped the engine
+
+    def step() -> None:
+        finished.update({o.request_id: o for o in llm.client.outputs() if o.finished})
+
+    llm.client.add(llm.input_processor.process_batch(ids, prompts, [constrained, plain]))
+    for _ in range(20):  # until both decode (the grammar compiles on its own thread)
+        step()
+        if {s.request_id for s in steps[-1].scheduled if s.needs_sample} == set(ids):
+            break
+    embed = raw.with_task("embed")
+    llm.client.add(llm.input_processor.process_batch(["embed"], [embed_prompt], [embed]))
+    step()
+    kinds = {s.request_id: s for s in steps[-1].scheduled}
+    assert set(kinds) == {*ids, "embed"}, kinds
+    assert kinds["constrained"].grammar is not None and kinds["constrained"].grammar.active
+    rest = [i for i in [*ids, "embed"] if i not in finished]
+    finished.update(zip(rest, llm.client.wait(rest), strict=True))
+    together = [finished[i] for i in [*ids, "embed"]]
+    for a, b in zip(alone, together[:2], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    torch.testing.assert_close(together[2].outputs.data, embedding, atol=1e-5, rtol=0)
+    _check({"json": NESTED}, together[0].outputs[0].text)
+
+    again = llm.generate([prompts[0]], [constrained], use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
 def test_the_grammar_ends_the_request(llm):
     """A complete grammar finishes its request ("stop"), past ignore_eos, and before max_tokens;
     min_tokens cannot push it past the grammar's end."""
@@ -234,6 +284,36 @@ def test_the_constraint_can_start_after_given_tokens(llm):
     jsonschema.validate(json.loads(completion.text[1:]), NESTED)
     with pytest.raises(InvalidInputError, match="must not be empty"):
         StructuredOutputsParams(regex="a", start_after_token_ids=[])
+
+
+def test_json_object_and_closed_objects_accept_what_they_say():
+    """``json_object``: any JSON object, nothing else; ``disable_additional_properties``: an
+    object that does not say closes (its listed keys only), one that says stays open; the
+    JSON texts run through llguidance's matcher on a one-byte-per-token tokenizer."""
+    from llguidance import LLMatcher, LLTokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    bytes_only = Tokenizer(models.BPE(vocab={**vocab, "<eos>": len(vocab)}, merges=[]))
+    bytes_only.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bytes_only.decoder = decoders.ByteLevel()
+    tokenizer = LLTokenizer(bytes_only.to_str(), eos_token=len(vocab))
+
+    def accepts(params: StructuredOutputsParams, value) -> bool:
+        matcher = LLMatcher(tokenizer, params.to_grammar())
+        ids = tokenizer.tokenize_str(json.dumps(value, separators=(",", ":")))
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    any_object = StructuredOutputsParams(json_object=True)
+    assert accepts(any_object, {"a": [1, {"b": None}]}) and accepts(any_object, {})
+    assert not accepts(any_object, [1]) and not accepts(any_object, "x")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+              "open": {"type": "object", "additionalProperties": True}}}  # fmt: skip
+    closed = StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    loose = StructuredOutputsParams(json=schema)
+    extra = {"a": 1, "b": 2}
+    assert accepts(closed, {"a": 1, "open": {"x": 1}}) and not accepts(closed, extra)
+    assert accepts(loose, extra)
 
 
 @pytest.mark.parametrize("implementation", ["numpy", "kernel"])

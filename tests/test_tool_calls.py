@@ -57,9 +57,9 @@ def _calls(tool_calls) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls]
 
 
-def _streamed(format, text: str, cuts: list[int], reasoning=None):
+def _streamed(format, text: str, cuts: list[int], reasoning=None, max_calls=None):
     """(reasoning, content, calls) of ``text`` fed in pieces cut at ``cuts``."""
-    stream = AssistantStream(reasoning, format)
+    stream = AssistantStream(reasoning, format, max_calls=max_calls)
     bounds = [0, *sorted(cuts), len(text)]
     parts = [stream.feed(text[a:b]) for a, b in itertools.pairwise(bounds)] + [stream.finish()]
     calls = [c for p in parts for c in p.tool_calls]
@@ -68,15 +68,16 @@ def _streamed(format, text: str, cuts: list[int], reasoning=None):
     return reasoning_text, "".join(p.content for p in parts) or None, _calls(calls)
 
 
-def _check_splits(format, text: str, reasoning=None, num_splits: int = 200) -> None:
+def _check_splits(format, text: str, reasoning=None, num_splits: int = 200, max_calls=None) -> None:
     """Every split of ``text`` streams what the whole text parses to (and every 1-char one)."""
-    whole = parse_assistant(text, reasoning, format)
+    whole = parse_assistant(text, reasoning, format, max_calls=max_calls)
     expected = (whole.reasoning_content, whole.content, _calls(whole.tool_calls))
     rng = random.Random(0)
     for _ in range(num_splits):
         cuts = rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1)))
-        assert _streamed(format, text, cuts, reasoning) == expected, cuts
-    assert _streamed(format, text, list(range(1, len(text))), reasoning) == expected
+        assert _streamed(format, text, cuts, reasoning, max_calls) == expected, cuts
+    every = list(range(1, len(text)))
+    assert _streamed(format, text, every, reasoning, max_calls) == expected
 
 
 @pytest.mark.parametrize(
@@ -91,6 +92,21 @@ def test_each_format_parses_two_calls_whole_and_streamed(format, text, content):
     assert _calls(calls) == TWO_CALLS
     assert all(c.id.startswith("call_") and len(c.id) == 29 and c.type == "function" for c in calls)
     _check_splits(format, text)
+
+
+@pytest.mark.parametrize(
+    ("format", "text"),
+    [(HERMES, HERMES_TWO), (LLAMA3_JSON, LLAMA_TWO), (MISTRAL, MISTRAL_TWO),
+     (HERMES, HERMES_TWO.replace("<tool_call>", "Then <tool_call>", 2) + " done")],
+)  # fmt: skip
+def test_one_call_kept_without_parallel_calls(format, text):
+    """``max_calls=1`` (parallel_tool_calls false): the first call only, whole and streamed; the
+    content around the calls stays."""
+    whole = parse_assistant(text, None, format)
+    first = parse_assistant(text, None, format, max_calls=1)
+    assert _calls(first.tool_calls) == TWO_CALLS[:1]
+    assert first.content == whole.content
+    _check_splits(format, text, max_calls=1)
 
 
 @pytest.mark.parametrize(
@@ -174,6 +190,19 @@ def test_reasoning_parsers(parser, text, reasoning, content):
     reply = parse_assistant(text, reasoning_format(parser), None)
     assert (reply.reasoning_content, reply.content) == (reasoning, content)
     _check_splits(None, text, reasoning_format(parser))
+
+
+def test_thinking_turned_off_reads_no_reasoning():
+    """``enable_thinking`` / ``thinking`` false in chat_template_kwargs: the request is read
+    without its reasoning format (deepseek_r1 would call a whole answer reasoning)."""
+    from cenote.assistant.reasoning import request_reasoning
+
+    r1 = reasoning_format("deepseek_r1")
+    assert request_reasoning(r1, None) is r1
+    assert request_reasoning(r1, {"enable_thinking": True}) is r1
+    assert request_reasoning(r1, {"enable_thinking": False}) is None
+    assert request_reasoning(r1, {"thinking": False}) is None
+    assert request_reasoning(None, {"enable_thinking": True}) is None
 
 
 def test_tools_are_parsed_in_the_content_after_reasoning():
@@ -316,6 +345,45 @@ def test_template_renders_tools_and_tool_call_round_trips():
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]  # fmt: skip
     with pytest.raises(InvalidInputError, match="message 1: tool_calls\\[0\\].function.arguments"):
         render_chat(TEMPLATE, bad)
+
+
+def test_tool_conversations_render_as_transformers_renders_them():
+    """Tools, an assistant turn with tool_calls (arguments as OpenAI's JSON string) and the
+    tool's result render exactly as transformers' ``apply_chat_template(tools=...)`` renders
+    the same conversation (arguments as the object HF templates read)."""
+    from transformers import PreTrainedTokenizerFast
+
+    template = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>{% endif %}"
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} "
+        "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}"
+        "{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    arguments = {"city": "Zürich", "days": 2, "tags": ["a", "b"]}
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather"}}
+    messages = [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{**call, "function": {**call["function"],
+                                              "arguments": json.dumps(arguments)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21°C"},
+    ]  # fmt: skip
+    tools = _plan().template_tools()
+    ours = render_chat(template, messages, tools=tools)
+    hf_messages = [dict(m) for m in messages]
+    hf_messages[2] = {**messages[2], "content": "", "tool_calls": [
+        {**call, "function": {**call["function"], "arguments": arguments}}]}  # fmt: skip
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    )
+    hf.chat_template = template
+    theirs = hf.apply_chat_template(
+        hf_messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs
 
 
 def test_a_constraint_starts_after_a_one_token_end_of_thinking():

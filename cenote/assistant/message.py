@@ -37,9 +37,12 @@ class AssistantStream:
         reasoning: ReasoningFormat | None,
         tools: ToolCallFormat | None,
         new_id: Callable[[], str] = new_tool_call_id,
+        max_calls: int | None = None,
     ) -> None:
+        """``max_calls``: the calls kept (1 for ``parallel_tool_calls`` false, as vLLM and
+        OpenAI answer); later ones are dropped, neither calls nor content."""
         self._reasoning = ReasoningStream(reasoning) if reasoning is not None else None
-        self._tools = ToolCallStream(tools, new_id) if tools is not None else None
+        self._tools = ToolCallStream(tools, new_id, max_calls) if tools is not None else None
 
     @property
     def num_calls(self) -> int:
@@ -75,9 +78,10 @@ def parse_assistant(
     reasoning: ReasoningFormat | None,
     tools: ToolCallFormat | None,
     new_id: Callable[[], str] = new_tool_call_id,
+    max_calls: int | None = None,
 ) -> AssistantMessage:
     """The reply a whole generated text makes (what its deltas add up to)."""
-    stream = AssistantStream(reasoning, tools, new_id)
+    stream = AssistantStream(reasoning, tools, new_id, max_calls)
     first, last = stream.feed(text), stream.finish()
     return AssistantMessage(
         content=(first.content + last.content) or None,

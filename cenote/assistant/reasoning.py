@@ -35,6 +35,22 @@ REASONING_FORMATS = {
 }
 
 
+def thinking_turned_off(chat_template_kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether a request turned its model's thinking off through the template's variables
+    (``enable_thinking``: Qwen3; ``thinking``: DeepSeek-V3.1, Granite)."""
+    kwargs = chat_template_kwargs or {}
+    return kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
+
+
+def request_reasoning(
+    format: ReasoningFormat | None, chat_template_kwargs: Mapping[str, Any] | None
+) -> ReasoningFormat | None:
+    """The reasoning format one chat request is read with: none once it turned thinking off
+    (the template closed the thinking in the prompt, so the whole output is the answer; a
+    format whose thinking the template opens would otherwise call all of it reasoning)."""
+    return None if thinking_turned_off(chat_template_kwargs) else format
+
+
 def reasoning_format(parser: str | None) -> ReasoningFormat | None:
     """The format named by ``--reasoning-parser`` (None or "none": no reasoning parsing)."""
     if parser in (None, "none"):
@@ -104,7 +120,7 @@ def constrain_after_thinking(
     constraint = params.structured_outputs
     if format is None or constraint is None or constraint.start_after_token_ids is not None:
         return params
-    if (chat_template_kwargs or {}).get("enable_thinking") is False:
+    if thinking_turned_off(chat_template_kwargs):
         return params
     end = tokenizer.encode(format.end, add_special_tokens=False).ids
     # reasoning models have the marker as one token; bytes of it (or an unknown token) are no end

@@ -133,9 +133,15 @@ def tool_call_format(parser: str, template: str | None) -> ToolCallFormat | None
 class ToolCallStream:
     """Splits streamed text into content and tool calls (see the module docstring)."""
 
-    def __init__(self, format: ToolCallFormat, new_id: Callable[[], str] = new_tool_call_id):
+    def __init__(
+        self,
+        format: ToolCallFormat,
+        new_id: Callable[[], str] = new_tool_call_id,
+        max_calls: int | None = None,
+    ) -> None:
         self.format = format
         self.new_id = new_id
+        self.max_calls = max_calls  # calls past it are dropped (parallel_tool_calls false)
         self.num_calls = 0
         self._buffer = ""  # text not decided yet
         self._held_space = ""  # trailing whitespace of content: dropped if a call follows
@@ -181,6 +187,8 @@ class ToolCallStream:
             self._content(events, marker + inner + closing)
             return True
         self._held_space = ""
+        if self.max_calls is not None:
+            calls = calls[: max(0, self.max_calls - self.num_calls)]
         for name, arguments in calls:
             arguments_text = json.dumps(arguments, ensure_ascii=False)
             events.append(ToolCall(self.new_id(), FunctionCall(name, arguments_text)))
@@ -225,10 +233,14 @@ class ToolCallStream:
 
 
 def parse_tool_calls(
-    format: ToolCallFormat, text: str, new_id: Callable[[], str] = new_tool_call_id
+    format: ToolCallFormat,
+    text: str,
+    new_id: Callable[[], str] = new_tool_call_id,
+    max_calls: int | None = None,
 ) -> tuple[str | None, list[ToolCall]]:
-    """The content (None when empty) and the tool calls of a whole output."""
-    stream = ToolCallStream(format, new_id)
+    """The content (None when empty) and the tool calls of a whole output (the first
+    ``max_calls`` of them)."""
+    stream = ToolCallStream(format, new_id, max_calls)
     events = stream.feed(text) + stream.finish()
     content = "".join(e for e in events if isinstance(e, str))
     return content or None, [e for e in events if isinstance(e, ToolCall)]

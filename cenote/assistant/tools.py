@@ -44,6 +44,12 @@ class ToolPlan:
     function_name: str | None  # tool_choice "named": the function to call
     format: ToolCallFormat | None  # the output's calls are parsed in it; None: not parsed
     grammar: str | None  # required / named: the Lark grammar the output must match
+    parallel: bool = True  # parallel_tool_calls: more than one call per reply
+
+    @property
+    def max_calls(self) -> int | None:
+        """The calls a reply keeps: one without parallel calls, else all."""
+        return None if self.parallel else 1
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [tool.as_template_tool() for tool in self.tools]
@@ -166,7 +172,8 @@ def plan_tools(
                 f"compile: {error}",
                 param="tools",
             )
-    return ToolPlan(checked, mode, name, None if mode == "none" else format, grammar)
+    parallel = parallel_tool_calls is not False
+    return ToolPlan(checked, mode, name, None if mode == "none" else format, grammar, parallel)
 
 
 def special_marker_ids(tokenizer: Tokenizer, format: ToolCallFormat) -> dict[str, int]:

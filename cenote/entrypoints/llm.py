@@ -10,7 +10,11 @@ from collections.abc import Sequence
 from typing import Any, Literal, TypedDict, TypeVar, Unpack, cast
 
 from cenote.assistant.message import parse_assistant
-from cenote.assistant.reasoning import constrain_after_thinking, reasoning_format
+from cenote.assistant.reasoning import (
+    constrain_after_thinking,
+    reasoning_format,
+    request_reasoning,
+)
 from cenote.assistant.tool_parsers import tool_call_format
 from cenote.assistant.tools import plan_tools
 from cenote.engine import scoring
@@ -296,6 +300,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         tool_call_parser: str = "auto",
         reasoning_parser: str | None = None,
         use_tqdm: bool = True,
@@ -306,8 +311,10 @@ class LLM:
         ``tools``: OpenAI function tools, rendered by the template; each completion's
         ``tool_calls`` are those parsed from its text (``tool_call_parser``: hermes,
         llama3_json, mistral; auto: read from the template). ``tool_choice`` "required" or
-        ``{"type": "function", "function": {"name": ...}}`` forces a call with a grammar.
-        ``reasoning_parser`` (qwen3, deepseek_r1) puts the thinking in ``reasoning_content``."""
+        ``{"type": "function", "function": {"name": ...}}`` forces a call with a grammar;
+        ``parallel_tool_calls=False`` keeps one call per reply. ``reasoning_parser`` (qwen3,
+        deepseek_r1) puts the thinking in ``reasoning_content``, unless
+        ``chat_template_kwargs`` turn thinking off (``enable_thinking`` false)."""
         conversations = (
             messages
             if messages and isinstance(messages[0], list)
@@ -315,7 +322,9 @@ class LLM:
         )
         template = chat_template or self.input_processor.chat_template
         tool_format = tool_call_format(tool_call_parser, template)
-        plan = plan_tools(tools, tool_choice, None, template, tool_format, self.tokenizer)
+        plan = plan_tools(
+            tools, tool_choice, parallel_tool_calls, template, tool_format, self.tokenizer
+        )
         prompts: list[PromptType] = [
             ChatPrompt(
                 messages=conversation,
@@ -326,7 +335,7 @@ class LLM:
             )
             for conversation in conversations
         ]
-        reasoning = reasoning_format(reasoning_parser)
+        reasoning = request_reasoning(reasoning_format(reasoning_parser), chat_template_kwargs)
         if plan is not None or reasoning is not None:
 
             def adjust(params: SamplingParams) -> SamplingParams:
@@ -343,9 +352,12 @@ class LLM:
             )
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         parsed_format = plan.format if plan is not None else None
+        max_calls = plan.max_calls if plan is not None else None
         if reasoning is not None or parsed_format is not None:
             for completion in (c for output in outputs for c in output.outputs):
-                reply = parse_assistant(completion.text, reasoning, parsed_format)
+                reply = parse_assistant(
+                    completion.text, reasoning, parsed_format, max_calls=max_calls
+                )
                 completion.reasoning_content = reply.reasoning_content
                 if parsed_format is not None:
                     completion.tool_calls = reply.tool_calls

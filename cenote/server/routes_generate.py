@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from cenote.assistant.message import AssistantStream, parse_assistant
-from cenote.assistant.reasoning import constrain_after_thinking
+from cenote.assistant.reasoning import constrain_after_thinking, request_reasoning
 from cenote.assistant.tools import ToolPlan, plan_tools
 from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import UserOutput
@@ -237,8 +237,11 @@ class _Job:
         self.created = int(time.time())
         self._offsets: dict[tuple[int, int], int] = {}  # text offset reached per choice
         # chat: how replies are read (thinking, tool calls), and each streamed choice's reader
-        self.reasoning = state.reasoning_format if self.chat else None
+        self.reasoning = None
+        if isinstance(body, ChatCompletionRequest):
+            self.reasoning = request_reasoning(state.reasoning_format, body.chat_template_kwargs)
         self.tool_format = plan.format if plan is not None else None
+        self.max_tool_calls = plan.max_calls if plan is not None else None
         self._replies: dict[tuple[int, int], AssistantStream] = {}
 
     async def respond(self, raw_request: Request) -> Response:
@@ -384,7 +387,9 @@ class _Job:
         """A whole reply as OpenAI's message, and its finish reason ("tool_calls" with calls)."""
         if self.reasoning is None and self.tool_format is None:
             return {"role": "assistant", "content": text}, finish_reason
-        reply = parse_assistant(text, self.reasoning, self.tool_format)
+        reply = parse_assistant(
+            text, self.reasoning, self.tool_format, max_calls=self.max_tool_calls
+        )
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
         if self.reasoning is not None:
             message["reasoning_content"] = reply.reasoning_content
@@ -407,7 +412,12 @@ class _Job:
         choices, finish_reason = [first], c.finish_reason
         if self.reasoning is not None or self.tool_format is not None:
             key = (index, c.index)
-            reply = self._replies.setdefault(key, AssistantStream(self.reasoning, self.tool_format))
+            reply = self._replies.get(key)
+            if reply is None:
+                reply = AssistantStream(
+                    self.reasoning, self.tool_format, max_calls=self.max_tool_calls
+                )
+                self._replies[key] = reply
             part = reply.feed(c.text)
             if c.finish_reason is not None:
                 rest = reply.finish()
