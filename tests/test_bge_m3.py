@@ -18,6 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,8 +143,8 @@ def test_colbert_vectors_match_reference(llm: LLM, reference: dict[str, list]) -
         torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(ours)))
 
 
-def test_three_tasks_in_one_batch_equal_alone(llm: LLM) -> None:
-    """Mixed tasks in one engine step (one trunk pass, three poolers) and each prompt alone."""
+def test_each_task_batched_equals_alone(llm: LLM) -> None:
+    """Per task, prompts of different lengths in one step equal each prompt alone."""
     prompts = [{"prompt_token_ids": [0, *p, 2]} for p in random_prompts([3, 17, 3, 60], seed=5)]
     for task in ("embed", "embed_sparse", "token_embed"):
         together = llm.encode(prompts, pooling_task=task)
@@ -169,3 +170,46 @@ def test_head_of_wrong_shape_is_a_clear_error(m3_folder: Path, tmp_path: Path) -
     torch.save(torch.nn.Linear(16, 1).state_dict(), folder / "sparse_linear.pt")
     with pytest.raises(ValueError, match=r"sparse_linear\.pt: weight \(1, 16\)"):
         LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)
+
+
+SERVER_ATOL = 1e-5  # the same engine in both processes, fp32
+
+
+@pytest.fixture(scope="module")
+def client(m3_folder: Path):
+    from server_fixture import ServerProcess
+
+    server = ServerProcess(str(m3_folder), "--dtype", "float32", "--num-threads", "1")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            yield client
+    finally:
+        server.stop()
+
+
+def test_server_serves_the_three_outputs(client: httpx.Client, llm: LLM) -> None:
+    """``/v1/embeddings`` dense, ``/embed_sparse`` (TEI shape) lexical weights and ``/pooling``
+    ``token_embed`` ColBERT vectors from one served model, equal to the offline engine."""
+    texts = TEXTS[:4]
+    dense = client.post("/v1/embeddings", json={"input": texts})
+    assert dense.status_code == 200, dense.text
+    got = torch.tensor([item["embedding"] for item in dense.json()["data"]])
+    expected = torch.stack([out.outputs.data for out in llm.embed(texts)])
+    torch.testing.assert_close(got, expected, atol=SERVER_ATOL, rtol=0)
+
+    sparse = client.post("/embed_sparse", json={"inputs": texts})
+    assert sparse.status_code == 200, sparse.text
+    for entries, out in zip(sparse.json(), llm.embed_sparse(texts), strict=True):
+        assert {e["index"]: pytest.approx(e["value"], abs=SERVER_ATOL) for e in entries} == dict(
+            out.outputs.pairs
+        )
+
+    tokens = client.post("/pooling", json={"input": texts, "task": "token_embed"})
+    assert tokens.status_code == 200, tokens.text
+    offline = llm.encode(texts, pooling_task="token_embed")
+    for item, out in zip(tokens.json()["data"], offline, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(item["data"]), out.outputs.data, atol=SERVER_ATOL, rtol=0
+        )
+    assert client.get("/info").json()["model_type"] == {"embedding": {"pooling": "cls"}}
+    assert client.get("/health").status_code == 200
