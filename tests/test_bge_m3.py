@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from factories.encoders import make_encoder_classifier
 from factories.texts import random_prompts
 
-from cenote import LLM
+from cenote import LLM, PoolingParams
 
 NUM_THREADS = 2
 MIN_COSINE_FP32 = 0.9999  # DESIGN.md §3: embeddings vs the reference, fp32
@@ -152,6 +152,34 @@ def test_each_task_batched_equals_alone(llm: LLM) -> None:
             alone = llm.encode([prompt], pooling_task=task)[0]
             torch.testing.assert_close(
                 batched.outputs.data, alone.outputs.data, atol=BATCH_ATOL, rtol=0
+            )
+
+
+def test_three_tasks_share_one_engine_step(m3_folder: Path) -> None:
+    """The same texts asked for dense, lexical and ColBERT outputs at once: one step runs all
+    the prompts through the trunk and each task's pooler takes its requests' rows; every
+    result equals the one asked alone."""
+    from factories.generation import record_steps
+
+    llm = LLM(str(m3_folder), dtype="float32", num_threads=NUM_THREADS)
+    steps = record_steps(llm)
+    prompts = [{"prompt_token_ids": [0, *p, 2]} for p in random_prompts([4, 11, 7], seed=9)]
+    tasks = ("embed", "embed_sparse", "token_embed")
+    ids = []
+    for task in tasks:
+        names = [f"{task}-{i}" for i in range(len(prompts))]
+        llm.client.add(
+            llm.input_processor.process_batch(names, prompts, PoolingParams().with_task(task))
+        )
+        ids += names
+    outputs = llm.client.wait(ids)
+    assert len(steps) == 1 and len(steps[0].scheduled) == len(tasks) * len(prompts)
+    n = len(prompts)
+    for i, task in enumerate(tasks):
+        alone = llm.encode(prompts, pooling_task=task)
+        for mixed, single in zip(outputs[i * n : (i + 1) * n], alone, strict=True):
+            torch.testing.assert_close(
+                mixed.outputs.data, single.outputs.data, atol=BATCH_ATOL, rtol=0
             )
 
 
