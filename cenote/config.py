@@ -14,7 +14,7 @@ import torch
 
 from cenote.lora.request import LoRARequest
 from cenote.models.hub_cache import ModelSource, locate_model
-from cenote.models.registry import ConvertOption, convert_architecture
+from cenote.models.registry import ConvertOption, bge_m3_architecture, convert_architecture
 from cenote.models.st_config import SentenceTransformerConfig, load_st_config
 from cenote.platform import cuda_default_dtype
 
@@ -141,8 +141,9 @@ class ModelConfig:
         architectures = hf_config.get("architectures") or []
         if not architectures:
             raise ValueError(f"{path / 'config.json'} names no architecture")
-        converted = convert_architecture(architectures[0], convert)
-        if converted != architectures[0]:
+        architecture = bge_m3_architecture(path, architectures[0])
+        converted = convert_architecture(architecture, convert)
+        if converted != architectures[0]:  # kept in the config: what every reader sees
             hf_config["architectures"] = [converted]
         st_config = gguf.st_config if gguf is not None else load_st_config(path)
         limit = _model_len_limit(hf_config, st_config)

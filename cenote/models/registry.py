@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from cenote.errors import UnknownArchitectureError
@@ -85,6 +86,10 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
         "BertForMaskedLM": ("masked_lm", "BertForMaskedLM"),
         "DistilBertForMaskedLM": ("distilbert", "DistilBertForMaskedLM"),
     },
+    # BGE-M3: an XLM-R folder with sparse_linear.pt and colbert_linear.pt (bge_m3_architecture)
+    (False, ("embed", "embed_sparse", "token_embed")): {
+        "BgeM3EmbeddingModel": ("bge_m3", "BgeM3Model"),
+    },
     # colbert-ai checkpoints: BERT + linear, token vectors for late interaction (MaxSim)
     (False, ("token_embed",)): {"HF_ColBERT": ("colbert", "HFColBERT")},
     (True, _DECODER_TASKS): {
@@ -125,6 +130,21 @@ def get_entry(architecture: str) -> ModelEntry:
             f"{', '.join(supported_architectures())}"
         )
     return _REGISTRY[architecture]
+
+
+BGE_M3_ARCHITECTURE = "BgeM3EmbeddingModel"  # vLLM's name (there given by hf_overrides)
+SPARSE_HEAD_FILE = "sparse_linear.pt"  # BGE-M3's lexical-weight head: Linear(hidden, 1)
+COLBERT_HEAD_FILE = "colbert_linear.pt"  # BGE-M3's ColBERT head: Linear(hidden, colbert_dim)
+
+
+def bge_m3_architecture(folder: Path, architecture: str) -> str:
+    """``BgeM3EmbeddingModel`` for an XLM-R folder with both BGE-M3 heads beside it, else
+    ``architecture`` unchanged."""
+    if architecture != "XLMRobertaModel" or not folder.is_dir():
+        return architecture
+    if (folder / SPARSE_HEAD_FILE).is_file() and (folder / COLBERT_HEAD_FILE).is_file():
+        return BGE_M3_ARCHITECTURE
+    return architecture
 
 
 ConvertOption = Literal["auto", "embed", "classify"]

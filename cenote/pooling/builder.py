@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from cenote.config import ModelConfig
+from cenote.models.bge_m3 import LexicalColbertHeads
 from cenote.models.interfaces import CausalLM, MaskedLM, Model, SequenceScorer
 from cenote.models.loader import load_dense_weights
 from cenote.models.registry import ModelEntry
 from cenote.pooling.activation import classifier_activation
+from cenote.pooling.bge_m3 import ColbertVectorPooler, LexicalWeightPooler
 from cenote.pooling.heads import DenseProjector, EmbeddingHead
 from cenote.pooling.interface import Pooler
 from cenote.pooling.methods import PoolingMethod, parse_pooling_method
@@ -109,6 +111,11 @@ def build_pooler(
 ) -> DispatchPooler | None:
     """One pooler per pooling task the registry entry declares; None for generation only."""
     poolers: dict[PoolingTask, Pooler] = {}
+    if isinstance(model, LexicalColbertHeads):  # BGE-M3: its own sparse and token heads
+        poolers["embed"] = build_embedding_pooler(model_config, model.hidden_size, False)
+        poolers["embed_sparse"] = LexicalWeightPooler(model, model_config.vocab_size)
+        poolers["token_embed"] = ColbertVectorPooler(model)
+        return DispatchPooler(poolers)
     if "embed" in entry.tasks or "token_embed" in entry.tasks:
         embedding = build_embedding_pooler(model_config, model.hidden_size, entry.is_causal)
         poolers.update({t: embedding for t in ("embed", "token_embed") if t in entry.tasks})

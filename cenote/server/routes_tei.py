@@ -257,12 +257,12 @@ def _model_type(state: ServerState) -> dict[str, Any] | None:
         labels = {"id2label": {str(i): name for i, name in enumerate(names)},
                   "label2id": {name: i for i, name in enumerate(names)}}  # fmt: skip
         return {"reranker" if num_labels == 1 else "classifier": labels}
-    if "embed_sparse" in tasks:
-        return {"embedding": {"pooling": "splade"}}
-    if "embed" in tasks:
+    if "embed" in tasks:  # BGE-M3 embeds (CLS) and embeds sparse: POST / embeds, as here
         # a pooling whose windows cannot be joined (ColBERT) is named by how the model scores
         pooling = capabilities.chunkable_pooling or capabilities.score_type or "unknown"
         return {"embedding": {"pooling": pooling}}
+    if "embed_sparse" in tasks:
+        return {"embedding": {"pooling": "splade"}}
     return None
 
 

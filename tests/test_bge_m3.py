@@ -1,0 +1,243 @@
+"""BGE-M3: one XLM-R trunk, three outputs, on a tiny random XLMRobertaModel with random
+``sparse_linear.pt`` / ``colbert_linear.pt`` heads, fp32.
+
+FlagEmbedding does not import here without its dependencies (``datasets``, ...), so the
+reference is written independently from transformers' ``XLMRobertaModel`` (padded batch) and
+torch ``Linear`` heads, following FlagEmbedding's published ``BGEM3FlagModel`` formulas: dense =
+normalized CLS; lexical weights = ``relu(sparse_linear(h))``, max per token id, the CLS / EOS /
+PAD / UNK ids and zero weights dropped; ColBERT = ``colbert_linear(h[1:])`` over the real tokens,
+each vector normalized."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+from factories.encoders import make_encoder_classifier
+from factories.texts import random_prompts
+
+from cenote import LLM, PoolingParams
+
+NUM_THREADS = 2
+MIN_COSINE_FP32 = 0.9999  # DESIGN.md §3: embeddings vs the reference, fp32
+SPARSE_RTOL = 1e-5  # the brief: lexical weights, relative
+SPARSE_ATOL = 1e-6  # weights that round to ~0 on both sides
+BATCH_ATOL = 1e-5  # DESIGN.md §3: batch invariance, fp32
+TEXTS = [
+    "the cat sat",
+    "a dog",
+    "yes no yes yes no",  # repeated tokens: the largest weight per id
+    "the mat + the cat - a dog",
+    "unknownword the unknownword",  # <unk> is left out
+    " ".join(["cat", "dog", "the", "mat"] * 20),
+]
+
+
+def _save_heads(folder: Path, hidden: int, colbert_dim: int, seed: int) -> None:
+    torch.manual_seed(seed)
+    sparse, colbert = torch.nn.Linear(hidden, 1), torch.nn.Linear(hidden, colbert_dim)
+    with torch.no_grad():
+        sparse.bias.fill_(0.6)  # most tokens weigh > 0, about 20 weigh 0 (random bias: most did)
+    torch.save(sparse.state_dict(), folder / "sparse_linear.pt")
+    torch.save(colbert.state_dict(), folder / "colbert_linear.pt")
+
+
+@pytest.fixture(scope="module")
+def m3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("bge-m3")
+    make_encoder_classifier(folder, "xlm-roberta", "Model", seed=3)
+    # name the EOS as XLM-R's tokenizer does, so both sides drop the same four ids
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["eos_token"] = "</s>"
+    path.write_text(json.dumps(config))
+    _save_heads(folder, hidden=32, colbert_dim=32, seed=7)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llm(m3_folder: Path) -> LLM:
+    return LLM(str(m3_folder), dtype="float32", num_threads=NUM_THREADS)
+
+
+@pytest.fixture(scope="module")
+def reference(m3_folder: Path) -> dict[str, list]:
+    """FlagEmbedding's three outputs per text, from transformers and torch Linear heads."""
+    from transformers import AutoTokenizer, XLMRobertaModel
+
+    torch.set_num_threads(NUM_THREADS)
+    tokenizer = AutoTokenizer.from_pretrained(str(m3_folder))
+    model = XLMRobertaModel.from_pretrained(str(m3_folder)).eval()
+    hidden_size = model.config.hidden_size
+    sparse, colbert = torch.nn.Linear(hidden_size, 1), torch.nn.Linear(hidden_size, hidden_size)
+    sparse.load_state_dict(torch.load(m3_folder / "sparse_linear.pt", weights_only=True))
+    colbert.load_state_dict(torch.load(m3_folder / "colbert_linear.pt", weights_only=True))
+    unused = {
+        tokenizer.convert_tokens_to_ids(tokenizer.special_tokens_map[name])
+        for name in ("cls_token", "eos_token", "pad_token", "unk_token")
+        if name in tokenizer.special_tokens_map
+    }
+    assert len(unused) == 4
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state  # [texts, max_len, hidden]
+        dense = F.normalize(hidden[:, 0], dim=-1)
+        token_weights = torch.relu(sparse(hidden)).squeeze(-1)  # [texts, max_len]
+        vectors = F.normalize(colbert(hidden[:, 1:]), dim=-1)
+    lexical, colbert_vecs = [], []
+    for i, mask in enumerate(batch["attention_mask"]):
+        length = int(mask.sum())
+        weights: dict[int, float] = {}
+        for token_id, weight in zip(
+            batch["input_ids"][i, :length].tolist(), token_weights[i, :length].tolist(), strict=True
+        ):
+            if token_id not in unused and weight > 0 and weight > weights.get(token_id, 0.0):
+                weights[token_id] = weight
+        assert len(weights) > 0
+        lexical.append(weights)
+        colbert_vecs.append(vectors[i, : length - 1])
+    return {"dense": list(dense), "lexical": lexical, "colbert": colbert_vecs}
+
+
+def test_folder_is_found_and_serves_three_tasks(llm: LLM) -> None:
+    assert llm.config.model.architecture == "BgeM3EmbeddingModel"
+    assert set(llm.supported_tasks) == {"embed", "embed_sparse", "token_embed"}
+
+
+def test_dense_matches_reference(llm: LLM, reference: dict[str, list]) -> None:
+    ours = torch.stack([out.outputs.data for out in llm.embed(TEXTS)])
+    theirs = torch.stack(reference["dense"])
+    cos = F.cosine_similarity(ours, theirs, dim=-1)
+    assert cos.min() >= MIN_COSINE_FP32, f"min cosine {cos.min():.6f}"
+
+
+def test_lexical_weights_match_reference(llm: LLM, reference: dict[str, list]) -> None:
+    for out, theirs in zip(llm.embed_sparse(TEXTS), reference["lexical"], strict=True):
+        ours = dict(out.outputs.pairs)
+        assert set(ours) == set(theirs), f"token ids {sorted(ours)} vs {sorted(theirs)}"
+        ids = sorted(theirs)
+        torch.testing.assert_close(
+            torch.tensor([ours[i] for i in ids]),
+            torch.tensor([theirs[i] for i in ids]),
+            rtol=SPARSE_RTOL,
+            atol=SPARSE_ATOL,
+        )
+
+
+def test_colbert_vectors_match_reference(llm: LLM, reference: dict[str, list]) -> None:
+    outputs = llm.encode(TEXTS, pooling_task="token_embed")
+    for out, theirs in zip(outputs, reference["colbert"], strict=True):
+        ours = out.outputs.data
+        assert ours.shape == theirs.shape == (len(out.prompt_token_ids) - 1, 32)
+        cos = F.cosine_similarity(ours, theirs, dim=-1)
+        assert cos.min() >= MIN_COSINE_FP32, f"min cosine {cos.min():.6f}"
+        torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(ours)))
+
+
+def test_each_task_batched_equals_alone(llm: LLM) -> None:
+    """Per task, prompts of different lengths in one step equal each prompt alone."""
+    prompts = [{"prompt_token_ids": [0, *p, 2]} for p in random_prompts([3, 17, 3, 60], seed=5)]
+    for task in ("embed", "embed_sparse", "token_embed"):
+        together = llm.encode(prompts, pooling_task=task)
+        for prompt, batched in zip(prompts, together, strict=True):
+            alone = llm.encode([prompt], pooling_task=task)[0]
+            torch.testing.assert_close(
+                batched.outputs.data, alone.outputs.data, atol=BATCH_ATOL, rtol=0
+            )
+
+
+def test_three_tasks_share_one_engine_step(m3_folder: Path) -> None:
+    """The same texts asked for dense, lexical and ColBERT outputs at once: one step runs all
+    the prompts through the trunk and each task's pooler takes its requests' rows; every
+    result equals the one asked alone."""
+    from factories.generation import record_steps
+
+    llm = LLM(str(m3_folder), dtype="float32", num_threads=NUM_THREADS)
+    steps = record_steps(llm)
+    prompts = [{"prompt_token_ids": [0, *p, 2]} for p in random_prompts([4, 11, 7], seed=9)]
+    tasks = ("embed", "embed_sparse", "token_embed")
+    ids = []
+    for task in tasks:
+        names = [f"{task}-{i}" for i in range(len(prompts))]
+        llm.client.add(
+            llm.input_processor.process_batch(names, prompts, PoolingParams().with_task(task))
+        )
+        ids += names
+    outputs = llm.client.wait(ids)
+    assert len(steps) == 1 and len(steps[0].scheduled) == len(tasks) * len(prompts)
+    n = len(prompts)
+    for i, task in enumerate(tasks):
+        alone = llm.encode(prompts, pooling_task=task)
+        for mixed, single in zip(outputs[i * n : (i + 1) * n], alone, strict=True):
+            torch.testing.assert_close(
+                mixed.outputs.data, single.outputs.data, atol=BATCH_ATOL, rtol=0
+            )
+
+
+def test_folder_without_both_heads_is_a_plain_xlm_r(m3_folder: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "one-head"
+    shutil.copytree(m3_folder, folder)
+    (folder / "colbert_linear.pt").unlink()
+    llm = LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)
+    assert llm.config.model.architecture == "XLMRobertaModel"
+    assert "embed_sparse" not in llm.supported_tasks
+
+
+def test_head_of_wrong_shape_is_a_clear_error(m3_folder: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "bad-head"
+    shutil.copytree(m3_folder, folder)
+    torch.save(torch.nn.Linear(16, 1).state_dict(), folder / "sparse_linear.pt")
+    with pytest.raises(ValueError, match=r"sparse_linear\.pt: weight \(1, 16\)"):
+        LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)
+
+
+SERVER_ATOL = 1e-5  # the same engine in both processes, fp32
+
+
+@pytest.fixture(scope="module")
+def client(m3_folder: Path):
+    from server_fixture import ServerProcess
+
+    server = ServerProcess(str(m3_folder), "--dtype", "float32", "--num-threads", "1")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            yield client
+    finally:
+        server.stop()
+
+
+def test_server_serves_the_three_outputs(client: httpx.Client, llm: LLM) -> None:
+    """``/v1/embeddings`` dense, ``/embed_sparse`` (TEI shape) lexical weights and ``/pooling``
+    ``token_embed`` ColBERT vectors from one served model, equal to the offline engine."""
+    texts = TEXTS[:4]
+    dense = client.post("/v1/embeddings", json={"input": texts})
+    assert dense.status_code == 200, dense.text
+    got = torch.tensor([item["embedding"] for item in dense.json()["data"]])
+    expected = torch.stack([out.outputs.data for out in llm.embed(texts)])
+    torch.testing.assert_close(got, expected, atol=SERVER_ATOL, rtol=0)
+
+    sparse = client.post("/embed_sparse", json={"inputs": texts})
+    assert sparse.status_code == 200, sparse.text
+    for entries, out in zip(sparse.json(), llm.embed_sparse(texts), strict=True):
+        assert {e["index"]: pytest.approx(e["value"], abs=SERVER_ATOL) for e in entries} == dict(
+            out.outputs.pairs
+        )
+
+    tokens = client.post("/pooling", json={"input": texts, "task": "token_embed"})
+    assert tokens.status_code == 200, tokens.text
+    offline = llm.encode(texts, pooling_task="token_embed")
+    for item, out in zip(tokens.json()["data"], offline, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(item["data"]), out.outputs.data, atol=SERVER_ATOL, rtol=0
+        )
+    assert client.get("/info").json()["model_type"] == {"embedding": {"pooling": "cls"}}
+    assert client.get("/health").status_code == 200
