@@ -247,3 +247,13 @@ def test_each_error_type_has_its_status(error, status, type_, param, caplog) -> 
         error_id = message.split("error id ")[1].split(",")[0]
         (record,) = [r for r in caplog.records if error_id in r.getMessage()]
         assert record.exc_info is not None and record.exc_info[1] is error
+
+
+def test_waiting_on_a_request_that_is_not_running_raises(llm) -> None:
+    """An id that finished (or was never added) is refused at once: stepping an idle engine
+    for it would never end (a test that waited on a finished id once grew to 20 GB)."""
+    llm.generate(token_prompts(random_prompts([3])), SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="not running"):
+        llm.client.wait(["0"])
+    out = llm.generate(token_prompts(random_prompts([3])), SamplingParams(max_tokens=2))
+    assert len(out[0].outputs[0].token_ids) == 2  # the engine serves on

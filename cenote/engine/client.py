@@ -107,6 +107,9 @@ class InProcessClient:
         """Step until every request of ``request_ids`` finished; their final outputs in that
         order. A failed request raises its error, and the others are aborted."""
         pending = set(request_ids)
+        unknown = [r for r in request_ids if r not in self.output_processor.states]
+        if unknown:  # it would never finish: stepping an idle engine forever
+            raise ValueError(f"requests not running (finished or never added): {unknown[:5]}")
         finished: dict[str, UserOutput] = {}
         bar = tqdm(
             total=len(request_ids),
