@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert import BertModel, RobertaModel
+from cenote.models.checkpoint_map import Slot, linear_slots
 from cenote.models.interfaces import ScorerDefaults
+from cenote.models.layers.linear import linear_fp32
 from cenote.pooling.methods import PoolingMethod
 
 
@@ -27,9 +28,29 @@ def num_labels_of(config: dict[str, Any]) -> int:
     return len(labels) if labels else int(config.get("num_labels", 2))
 
 
-def _linear_fp32(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    bias = None if linear.bias is None else linear.bias.float()
-    return F.linear(x.float(), linear.weight.float(), bias)
+class TanhPoolerHead(ScorerDefaults):
+    """BERT's sequence head over another trunk: pooler (dense + tanh on the CLS row) +
+    ``classifier``, in fp32, from the checkpoint's ``pooler.dense`` and ``classifier``. Listed
+    before the trunk class; the trunk gives ``config`` and ``hidden_size``."""
+
+    config: dict[str, Any]
+    hidden_size: int
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)  # type: ignore[call-arg]  # the trunk's __init__
+        self.num_labels = num_labels_of(self.config)
+        self.pooler_dense = nn.Linear(self.hidden_size, self.hidden_size)
+        self.classifier = nn.Linear(self.hidden_size, self.num_labels)
+
+    def _head_slots(self) -> dict[str, Slot]:
+        return {
+            **linear_slots("pooler.dense", "pooler_dense"),
+            **linear_slots("classifier", "classifier"),
+        }
+
+    def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``pooled [N, hidden]`` (CLS rows) -> fp32 logits ``[N, num_labels]``."""
+        return linear_fp32(torch.tanh(linear_fp32(pooled, self.pooler_dense)), self.classifier)
 
 
 class _BertWithClassifier(ScorerDefaults, BertModel):
@@ -48,7 +69,7 @@ class BertForSequenceClassification(_BertWithClassifier):
 
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled [N, hidden]`` (CLS rows) -> fp32 logits ``[N, num_labels]``."""
-        return _linear_fp32(torch.tanh(_linear_fp32(pooled, self.pooler_dense)), self.classifier)
+        return linear_fp32(torch.tanh(linear_fp32(pooled, self.pooler_dense)), self.classifier)
 
     def required_parameters(self) -> set[str]:
         return super().required_parameters() | {"pooler_dense.weight", "pooler_dense.bias"}
@@ -63,7 +84,7 @@ class RobertaClassificationHead(nn.Module):
         self.out_proj = nn.Linear(hidden_size, num_labels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear_fp32(torch.tanh(_linear_fp32(x, self.dense)), self.out_proj)
+        return linear_fp32(torch.tanh(linear_fp32(x, self.dense)), self.out_proj)
 
 
 class RobertaForSequenceClassification(ScorerDefaults, RobertaModel):
@@ -86,4 +107,4 @@ class BertForTokenClassification(_BertWithClassifier):
     classifier_pooling: PoolingMethod | None = None  # token_classify only
 
     def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _linear_fp32(hidden, self.classifier)  # [num_tokens, num_labels] fp32
+        return linear_fp32(hidden, self.classifier)  # [num_tokens, num_labels] fp32

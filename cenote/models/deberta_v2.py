@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cenote.config import ModelConfig
@@ -42,7 +41,7 @@ from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.embedding import Embedding
-from cenote.models.layers.linear import TrunkLinear, linear_add_norm
+from cenote.models.layers.linear import TrunkLinear, linear_add_norm, linear_fp32
 from cenote.models.layers.norm import LayerNorm
 
 _LAYER_NORM_EPS = 1e-7  # DebertaV2Config's default
@@ -413,10 +412,5 @@ class DebertaV2ForSequenceClassification(ScorerDefaults, DebertaV2Model):
 
     def compute_scores(self, pooled: Tensor) -> Tensor:
         """``pooled [N, hidden]`` (first-token rows) -> fp32 logits ``[N, num_labels]``."""
-        x = self.pooler_act(_linear_fp32(pooled, self.pooler_dense))
-        return _linear_fp32(x, self.classifier)
-
-
-def _linear_fp32(x: Tensor, linear: nn.Linear) -> Tensor:
-    bias = None if linear.bias is None else linear.bias.float()
-    return F.linear(x.float(), linear.weight.float(), bias)
+        x = self.pooler_act(linear_fp32(pooled, self.pooler_dense))
+        return linear_fp32(x, self.classifier)

@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.models.bert_classifiers import _linear_fp32, num_labels_of
+from cenote.models.bert_classifiers import num_labels_of
 from cenote.models.checkpoint_map import Slot, linear_slots
 from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.activation import get_activation
+from cenote.models.layers.linear import linear_fp32
 from cenote.models.word_position_encoder import TrunkNames, WordPositionEncoder
 
 _EPS = 1e-12  # DistilBERT's LayerNorms ignore config.layer_norm_eps
@@ -69,8 +70,8 @@ class DistilBertForSequenceClassification(ScorerDefaults, DistilBertModel):
 
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled [N, dim]`` (CLS rows) -> fp32 logits ``[N, num_labels]``."""
-        hidden = torch.relu(_linear_fp32(pooled, self.pre_classifier))
-        return _linear_fp32(hidden, self.classifier)
+        hidden = torch.relu(linear_fp32(pooled, self.pre_classifier))
+        return linear_fp32(hidden, self.classifier)
 
 
 class DistilBertForMaskedLM(DistilBertModel):
@@ -105,7 +106,7 @@ class DistilBertForMaskedLM(DistilBertModel):
 
     def compute_mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, dim]`` -> fp32 vocabulary logits ``[N, vocab_size]``."""
-        x = self.act(_linear_fp32(hidden, self.vocab_transform))
+        x = self.act(linear_fp32(hidden, self.vocab_transform))
         norm = self.vocab_layer_norm
         assert norm.bias is not None
         x = F.layer_norm(x, (self.hidden_size,), norm.weight.float(), norm.bias.float(), _EPS)

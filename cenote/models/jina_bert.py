@@ -22,13 +22,11 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from cenote.config import ModelConfig
-from cenote.models.bert_classifiers import _linear_fp32, num_labels_of
+from cenote.models.bert_classifiers import TanhPoolerHead
 from cenote.models.checkpoint_map import CheckpointMap, Slot, fused_slots, linear_slots
-from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.embedding import Embedding
@@ -172,25 +170,9 @@ class JinaBertModel(nn.Module):
         return self.checkpoint_map.required()
 
 
-class JinaBertForSequenceClassification(ScorerDefaults, JinaBertModel):
+class JinaBertForSequenceClassification(TanhPoolerHead, JinaBertModel):
     """Trunk + pooler (dense + tanh on the CLS token) + ``classifier``, as BERT's head
     (jina-reranker-v1); the head runs in fp32."""
 
-    def __init__(self, model_config: ModelConfig) -> None:
-        super().__init__(model_config)
-        self.num_labels = num_labels_of(self.config)
-        self.pooler_dense = nn.Linear(self.hidden_size, self.hidden_size)
-        self.classifier = nn.Linear(self.hidden_size, self.num_labels)
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {
-            **linear_slots("pooler.dense", "pooler_dense"),
-            **linear_slots("classifier", "classifier"),
-        }
-
     def _unused(self) -> tuple[str, ...]:
         return ("cls.", "embeddings.position_ids")
-
-    def compute_scores(self, pooled: Tensor) -> Tensor:
-        """``pooled [N, hidden]`` (CLS rows) -> fp32 logits ``[N, num_labels]``."""
-        return _linear_fp32(torch.tanh(_linear_fp32(pooled, self.pooler_dense)), self.classifier)

@@ -15,8 +15,8 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert import BertModel
-from cenote.models.bert_classifiers import _linear_fp32
 from cenote.models.layers.activation import get_activation
+from cenote.models.layers.linear import linear_fp32
 from cenote.models.weights import copy_weight
 
 # checkpoint tensors a masked LM has no use for: the next-sentence head of BERT pre-training
@@ -78,7 +78,7 @@ class BertForMaskedLM(BertModel):
 
     def compute_mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 vocabulary logits ``[N, vocab_size]``."""
-        x = self.transform_act(_linear_fp32(hidden, self.transform))
+        x = self.transform_act(linear_fp32(hidden, self.transform))
         norm = self.transform_norm
         assert norm.bias is not None
         x = F.layer_norm(x, (self.hidden_size,), norm.weight.float(), norm.bias.float(), norm.eps)

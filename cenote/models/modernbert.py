@@ -22,7 +22,7 @@ from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.embedding import Embedding
-from cenote.models.layers.linear import TrunkLinear
+from cenote.models.layers.linear import TrunkLinear, linear_fp32
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
 from cenote.models.weights import load_by_name
 from cenote.pooling.methods import PoolingMethod
@@ -222,7 +222,7 @@ class ModernBertForSequenceClassification(ScorerDefaults, ModernBertModel):
 
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled [N, hidden]`` -> fp32 logits ``[N, num_labels]``."""
-        x = _linear_fp32(pooled, self.head_dense)
+        x = linear_fp32(pooled, self.head_dense)
         x = F.layer_norm(
             self.head_act(x),
             x.shape[-1:],
@@ -230,9 +230,4 @@ class ModernBertForSequenceClassification(ScorerDefaults, ModernBertModel):
             None if self.head_norm.bias is None else self.head_norm.bias.float(),
             self.head_norm.eps,
         )
-        return _linear_fp32(x, self.classifier)
-
-
-def _linear_fp32(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    bias = None if linear.bias is None else linear.bias.float()
-    return F.linear(x.float(), linear.weight.float(), bias)
+        return linear_fp32(x, self.classifier)

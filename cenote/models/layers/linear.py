@@ -204,3 +204,10 @@ def prepack_trunk(model: nn.Module) -> int:
             module.prepack()
             count += module._packed is not None
     return count
+
+
+def linear_fp32(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``linear(x)`` computed in fp32 whatever the layer's dtype: classification heads run in
+    fp32 (their logits are compared at 1e-5)."""
+    bias = None if linear.bias is None else linear.bias.float()
+    return F.linear(x.float(), linear.weight.float(), bias)
