@@ -59,6 +59,11 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: RequestError | None = None  # set when finish_reason is "error"
+    # seconds from the core taking the request to its first scheduling, and from then to this
+    # output (the core's own monotonic clock); on a finished pooling output and on every
+    # generation output (the front may finish one by a stop string); None on errors and aborts
+    queue_seconds: float | None = None
+    inference_seconds: float | None = None
 
     @property
     def finished(self) -> bool:

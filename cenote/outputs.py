@@ -103,6 +103,9 @@ class PoolingRequestOutput(Generic[T]):
     outputs: T  # PoolingOutput or a task-specific subclass
     prompt_token_ids: list[int]
     finished: bool = True
+    # seconds in the engine core: ``queue_time`` (taken -> first scheduled) and
+    # ``inference_time`` (first scheduled -> finished); see ``RequestOutput.metrics``
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 EmbeddingRequestOutput = PoolingRequestOutput
@@ -173,4 +176,10 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_generated_tokens: int = 0  # tokens generated so far, all completions (also in DELTA)
+    # ``first_token_time``: time.monotonic() of the first token's arrival (this process);
+    # once finished, seconds in the engine core: ``queue_time`` (the core took it -> first
+    # scheduled) and ``inference_time`` (first scheduled -> finished). With several engine
+    # requests (n completions, windows of a long input): queue_time is the shortest wait and
+    # queue_time + inference_time the longest time one of them spent in the core, so their
+    # sum never exceeds the request's time in the engine.
     metrics: dict[str, float] = field(default_factory=dict)

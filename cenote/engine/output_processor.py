@@ -93,6 +93,24 @@ class _RequestState:
     window_ids: list[str] = field(default_factory=list)  # its windows' engine request ids
     window_outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # arrived so far
     first_token_time: float | None = None  # time.monotonic() when its first token arrived
+    # its engine requests' durations in the core (``RequestOutput.metrics``): the shortest
+    # queue wait, and the longest queue + inference (to each one's latest output)
+    queue_seconds: float | None = None
+    engine_seconds: float = 0.0
+
+    def add_durations(self, out: EngineCoreOutput) -> None:
+        if out.queue_seconds is None or out.inference_seconds is None:
+            return
+        queue = out.queue_seconds
+        self.queue_seconds = queue if self.queue_seconds is None else min(self.queue_seconds, queue)
+        self.engine_seconds = max(self.engine_seconds, queue + out.inference_seconds)
+
+    def durations(self) -> dict[str, float]:
+        """``queue_time`` and ``inference_time`` once an engine request finished, else {}."""
+        if self.queue_seconds is None:
+            return {}
+        inference = max(self.engine_seconds - self.queue_seconds, 0.0)
+        return {"queue_time": self.queue_seconds, "inference_time": inference}
 
     @property
     def finished(self) -> bool:
@@ -180,6 +198,7 @@ class OutputProcessor:
                 continue
             state = self.states[user_id]
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            state.add_durations(out)
             if state.task is not None:
                 assert out.pooling_output is not None, "a finished pooling request has a result"
                 pooled = out.pooling_output
@@ -213,7 +232,9 @@ class OutputProcessor:
         data = output_class(data=pooled)
         if isinstance(data, ClassificationOutput):
             data.label_names = self.label_names
-        return PoolingRequestOutput(state.request_id, data, state.prompt_token_ids)
+        return PoolingRequestOutput(
+            state.request_id, data, state.prompt_token_ids, metrics=state.durations()
+        )
 
     def _update_completion(self, state: _RequestState, out: EngineCoreOutput) -> bool:
         """Apply one step to a completion; True when a stop string finished it here."""
@@ -265,7 +286,6 @@ class OutputProcessor:
         if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
             return None
         completions = sorted(state.completions.values(), key=lambda c: c.index)
-        first = state.first_token_time
         if kind == RequestOutputKind.DELTA:
             outputs = [d for d in map(_delta, completions) if d is not None]
         else:  # finished state is forgotten: its lists go out as they are
@@ -286,7 +306,7 @@ class OutputProcessor:
             state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished,
             prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
             num_generated_tokens=sum(len(c.token_ids) for c in completions),
-            metrics={} if first is None else {"first_token_time": first},
+            metrics=_metrics(state),
         )  # fmt: skip
 
     def abort(self, user_request_id: str) -> list[str]:
@@ -306,6 +326,14 @@ class OutputProcessor:
     @property
     def num_unfinished(self) -> int:
         return len(self.states)
+
+
+def _metrics(state: _RequestState) -> dict[str, float]:
+    """A generation output's metrics: its first token's time; its durations once finished."""
+    metrics = state.durations() if state.finished else {}
+    if state.first_token_time is not None:
+        metrics["first_token_time"] = state.first_token_time
+    return metrics
 
 
 def _copy(items: list[_T], cumulative: bool) -> list[_T]:

@@ -64,6 +64,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
+    # time.monotonic() in the core process when the core took the request (``arrival_time`` is
+    # the front's): queue and inference durations are measured against this clock only
+    added_time: float = field(default_factory=time.monotonic)
     grammar: RequestGrammar | None = None  # structured outputs: the output's matcher
     lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
 

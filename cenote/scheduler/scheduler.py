@@ -300,12 +300,15 @@ class Scheduler:
             if request.is_pooling:
                 if s.completes_prompt:
                     self._finish_running(request, RequestStatus.FINISHED_POOLED)
+                    queue_seconds, inference_seconds = _durations(request)
                     outputs.append(
                         EngineCoreOutput(
                             request_id=request.request_id,
                             pooling_output=runner_output.pooler_output[request.request_id],
                             finish_reason="stop",
                             num_cached_tokens=request.num_cached_tokens,
+                            queue_seconds=queue_seconds,
+                            inference_seconds=inference_seconds,
                         )
                     )
                 continue
@@ -330,6 +333,8 @@ class Scheduler:
             status = self._check_grammar(request.grammar, new_token_ids)
         if status is not None:
             self._finish_running(request, status)
+        # on every output, not only the last: the front may end a request by a stop string
+        queue_seconds, inference_seconds = _durations(request)
         return EngineCoreOutput(
             request_id=request_id,
             new_token_ids=new_token_ids,
@@ -338,6 +343,8 @@ class Scheduler:
             finish_reason=FINISH_REASONS[status] if status is not None else None,
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
+            queue_seconds=queue_seconds,
+            inference_seconds=inference_seconds,
         )
 
     @staticmethod
@@ -385,3 +392,13 @@ class Scheduler:
     def _finish_running(self, request: Request, status: RequestStatus) -> None:
         self.running.remove(request)
         self._free(request, status)
+
+
+def _durations(request: Request) -> tuple[float, float]:
+    """(queue, inference) seconds of a request with an output now: from the core taking it to
+    its first scheduling, and from then to now. Both on this process's monotonic clock (the front's
+    ``arrival_time`` is never compared with it). A preempted request's wait to be rescheduled
+    counts as inference: it had started."""
+    now = time.monotonic()
+    first = request.first_scheduled_time if request.first_scheduled_time is not None else now
+    return max(first - request.added_time, 0.0), max(now - first, 0.0)

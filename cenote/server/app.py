@@ -25,6 +25,7 @@ from cenote.server import (
     routes_scoring,
     routes_sparse,
     routes_tei,
+    timing,
 )
 from cenote.server.body import JSONRoute, answer_tei
 from cenote.server.errors import (
@@ -121,11 +122,15 @@ class FrontDoor:
             return
         path = scope["path"]
         status = 500
+        timings = timing.RequestTimings()  # filled by the handler (cenote/server/timing.py)
+        token = timing.current_timings.set(timings)
 
         async def send_with_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if timings.ran and status == 200:
+                    message = {**message, "headers": [*message["headers"], *timings.headers()]}
             await send(message)
 
         try:
@@ -136,6 +141,7 @@ class FrontDoor:
             else:
                 await self.app(scope, self._bounded(receive), send_with_status)
         finally:
+            timing.current_timings.reset(token)
             self.served.metrics.record_request(self._endpoint(scope, path), status)
 
     def _check(self, scope: Scope) -> APIError | None:

@@ -20,6 +20,7 @@ from cenote.errors import InvalidInputError, UnsupportedTaskError
 from cenote.messages import EngineCoreRequest
 from cenote.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
 from cenote.sampling_params import RequestOutputKind, SamplingParams
+from cenote.server import timing
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest, describe_error
 from cenote.server.protocol import ChatCompletionRequest, CompletionRequest, _GenerationBody
@@ -32,14 +33,16 @@ router = APIRouter(route_class=JSONRoute)
 @router.post("/v1/completions", responses=schema(CompletionResponse, stream=True))
 async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
     state = get_state(raw_request, body.model, "generate")
-    job = await state.offload(_job, state, body)  # tokenization off the event loop
+    with timing.tokenization():
+        job = await state.offload(_job, state, body)  # tokenization off the event loop
     return await job.respond(raw_request)
 
 
 @router.post("/v1/chat/completions", responses=schema(ChatCompletionResponse, stream=True))
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
     state = get_state(raw_request, body.model, "generate")
-    job = await state.offload(_job, state, body)  # template + tokenizer off the event loop
+    with timing.tokenization():
+        job = await state.offload(_job, state, body)  # template + tokenizer off the event loop
     return await job.respond(raw_request)
 
 
@@ -304,6 +307,12 @@ class _Job:
                 choices.append(self._choice(index, c, final[index], first=True))
         body = self._envelope(choices)
         body["usage"] = self._usage(final, record=True)
+        timing.record_requests(self.requests)
+        timing.record_outputs(
+            [final[i].metrics for i in sorted(final)],
+            body["usage"]["prompt_tokens"],
+            self.state.model_config.device,
+        )
         if self.chat:
             body.update(self._prompt_extras(final[0]))
         return Response(msgspec.json.encode(body), media_type="application/json")

@@ -19,6 +19,7 @@ from cenote.inputs import PromptType
 from cenote.outputs import PoolingRequestOutput
 from cenote.pooling.quantize import Precision, quantize_embeddings
 from cenote.pooling_params import PoolingParams
+from cenote.server import timing
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest
 from cenote.server.protocol import EmbeddingRequest, PoolingRequest, _PoolingBody
@@ -171,7 +172,8 @@ async def pool(
     its own format: TEI's pairs and mixed batches); outputs in input order, and the request
     id."""
     # 1) validate and tokenize, off the event loop; 2) run in the core
-    requests, request_id = await state.offload(_prepare, state, body, task, prefix, prompts)
+    with timing.tokenization():
+        requests, request_id = await state.offload(_prepare, state, body, task, prefix, prompts)
     outputs = await state.run_pooling(requests)
     return outputs, request_id
 

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from cenote.engine.input_processor import assign_adapter
 from cenote.engine.scoring import ScorePlan, pair_texts, plan_scores
 from cenote.outputs import PoolingRequestOutput
+from cenote.server import timing
 from cenote.server.body import JSONRoute, answer_tei
 from cenote.server.errors import EmptyBatch, WrongModelType
 from cenote.server.protocol import ClassificationRequest, RerankRequest, ScoreRequest, _ScoringBody
@@ -193,9 +194,10 @@ async def _score(
     number of documents cut. ``fit_documents`` (rerank): documents are cut to fit the model
     and to ``max_tokens_per_doc`` (default 4096, Cohere's: ``plan_scores``)."""
     # 1) validate, plan and tokenize, off the event loop  2) run in the core
-    plan, request_id = await state.offload(
-        _prepare, state, body, text_1, text_2, prefix, fit_documents
-    )
+    with timing.tokenization():
+        plan, request_id = await state.offload(
+            _prepare, state, body, text_1, text_2, prefix, fit_documents
+        )
     outputs = await state.run_pooling(plan.requests)
     return plan.scores(outputs), outputs, request_id, plan.num_truncated_documents
 

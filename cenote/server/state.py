@@ -30,6 +30,7 @@ from cenote.inputs import PromptType
 from cenote.lora.request import LoRARequest
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import PoolingRequestOutput
+from cenote.server import timing
 from cenote.server.errors import BadRequest, ModelNotFound, Overloaded, Unavailable
 from cenote.server.metrics import MetricFamilies, ServerMetrics
 
@@ -368,7 +369,12 @@ class ServerState:
         elapsed = time.monotonic() - started
         self.metrics.ttft.observe(elapsed)
         self.metrics.e2e.observe(elapsed)
-        self.metrics.prompt_tokens.inc(float(sum(len(out.prompt_token_ids) for out in outputs)))
+        num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+        self.metrics.prompt_tokens.inc(float(num_tokens))
+        timing.record_requests(requests)
+        timing.record_outputs(
+            [out.metrics for out in outputs], num_tokens, self.model_config.device
+        )
         return outputs
 
 
