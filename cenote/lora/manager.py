@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,10 @@ from cenote.lora.adapter import LoRAAdapter, read_adapter
 from cenote.lora.request import LoRARequest
 from cenote.models.interfaces import LoRATarget
 from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost
+from cenote.models.registry import load_model_class
+
+if TYPE_CHECKING:
+    from cenote.config import ModelConfig
 
 
 class LoRAManager:
@@ -67,6 +72,14 @@ class LoRAManager:
             host.lora_blocks[request.lora_int_id] = tuple(host_blocks)
             hosts.append(host)
         self._resident[request.lora_int_id] = (request, hosts)
+
+    def check(self, request: LoRARequest) -> None:
+        """Everything ``activate`` checks (the folder, the rank, every projection's shape
+        against this model), writing nothing: ValueError names what is wrong. On a model built
+        on the meta device (``check_adapter``) it costs reading the adapter file only."""
+        if not isinstance(self.model, LoRATarget):
+            raise ValueError(f"{type(self.model).__name__} takes no LoRA adapters")
+        self._place(read_adapter(request.lora_path, self.max_lora_rank))
 
     def deactivate(self, lora_int_id: int) -> bool:
         """Drop a resident adapter; returns whether it was resident."""
@@ -140,6 +153,16 @@ class LoRAManager:
             for adapter_id, ranges in rows.items()
         )
         return LoRABatch(groups)
+
+
+def shape_checker(model_config: ModelConfig, max_lora_rank: int) -> LoRAManager:
+    """A manager over ``model_config``'s layers built on the meta device (shapes, no weights,
+    no memory), for the server's front to ``check`` an adapter against the base before any
+    engine core sees it (``POST /v1/load_lora_adapter``)."""
+    meta = torch.device("meta")
+    with meta:
+        model = load_model_class(model_config.architecture)(model_config)
+    return LoRAManager(model, 1, max_lora_rank, model_config.dtype, meta)
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:

@@ -21,6 +21,7 @@ from cenote.engine.heap import freeze_startup_objects
 from cenote.server import (
     routes_cohere,
     routes_generate,
+    routes_lora,
     routes_pooling,
     routes_scoring,
     routes_sparse,
@@ -93,6 +94,8 @@ def build_app(served: ServedModels) -> FastAPI:
     app.include_router(routes_cohere.router)  # Cohere /v2/embed
     app.include_router(routes_tei.router)  # text-embeddings-inference's own routes
     app.include_router(routes_generate.router)
+    if served.options.enable_lora_runtime_updating:  # else 404, as vLLM without the flag
+        app.include_router(routes_lora.router)
     app.add_middleware(FrontDoor, served=served)
     return app
 
@@ -241,7 +244,7 @@ async def list_models(raw_request: Request) -> JSONResponse:
         for state in served.states.values()
         for card in (
             _model_card(state),
-            *(_adapter_card(state, m.lora_name) for m in state.engine_config.lora.modules),
+            *(_adapter_card(state, name) for name in state.adapters),
         )
     ]
     return JSONResponse({"object": "list", "data": cards})

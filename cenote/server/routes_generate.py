@@ -238,6 +238,8 @@ class _Job:
         self.params: SamplingParams = params
         self.chat = isinstance(body, ChatCompletionRequest)
         self.created = int(time.time())
+        # the ``model`` echoed: the adapter's name when the body named one (vLLM), else the base
+        self.model_name = state.echoed_model(body.model)
         self._offsets: dict[tuple[int, int], int] = {}  # text offset reached per choice
         # chat: how replies are read (thinking, tool calls), and each streamed choice's reader
         self.reasoning = None
@@ -540,7 +542,7 @@ class _Job:
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool = False) -> dict[str, Any]:
         object_name = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": object_name, "created": self.created,
-                "model": self.state.model_name, "choices": choices}  # fmt: skip
+                "model": self.model_name, "choices": choices}  # fmt: skip
 
     def _sse(
         self, choices: list[dict[str, Any]], chunk: bool = True, usage: dict[str, int] | None = None

@@ -110,7 +110,7 @@ async def quantized_embeddings(state: ServerState, body: EmbeddingRequest) -> Re
         data = [
             {"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(values)
         ]
-        return list_response(state, request_id, data, outputs)
+        return list_response(state, request_id, data, outputs, body.model)
 
     return await state.offload(build)
 
@@ -149,7 +149,7 @@ async def respond(
             {"object": object_name, "index": i, key: _encode(out.outputs.data, body)}
             for i, out in enumerate(outputs)
         ]
-        return list_response(state, request_id, data, outputs)
+        return list_response(state, request_id, data, outputs, body.model)
 
     if sum(out.outputs.data.numel() for out in outputs) <= _INLINE_RESPONSE_VALUES:
         return build()
@@ -274,7 +274,7 @@ def bytes_response(
     num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     metadata: dict[str, Any] = {
         "id": request_id, "object": "list", "created": int(time.time()),
-        "model": state.model_name, "data": items,
+        "model": state.echoed_model(body.model), "data": items,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }  # fmt: skip
     header = msgspec.json.encode(metadata)
@@ -295,13 +295,14 @@ def list_response(
     request_id: str,
     data: list[dict[str, Any]],
     outputs: list[PoolingRequestOutput[Any]],
+    model: str | None,  # the body's ``model``: echoed when it names an adapter
 ) -> Response:
     num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     body = {
         "id": request_id,
         "object": "list",
         "created": int(time.time()),
-        "model": state.model_name,
+        "model": state.echoed_model(model),
         "data": data,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }

@@ -50,7 +50,7 @@ async def create_classify(body: ClassificationRequest, raw_request: Request) -> 
                 "num_classes": out.outputs.num_classes,
             }
         )
-    return list_response(state, request_id, data, outputs)
+    return list_response(state, request_id, data, outputs, body.model)
 
 
 @router.post("/score", responses=schema(ScoreResponse))
@@ -63,7 +63,7 @@ async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
     data = [
         {"index": i, "object": "score", "score": out.outputs.score} for i, out in enumerate(scores)
     ]
-    return list_response(state, request_id, data, outputs)
+    return list_response(state, request_id, data, outputs, body.model)
 
 
 @router.post(
@@ -99,7 +99,12 @@ async def create_rerank(body: RerankRequest, raw_request: Request) -> Response:
         "truncated_documents": num_cut,
     }
     return json_response(
-        {"id": request_id, "model": state.model_name, "usage": usage, "results": results}
+        {
+            "id": request_id,
+            "model": state.echoed_model(body.model),
+            "usage": usage,
+            "results": results,
+        }
     )
 
 
@@ -121,7 +126,7 @@ async def create_rerank_v2(body: RerankRequest, raw_request: Request) -> Respons
     return json_response(
         {
             "id": request_id,
-            "model": state.model_name,
+            "model": state.echoed_model(body.model),
             "results": results,
             "meta": meta,
             "usage": usage,

@@ -70,4 +70,4 @@ async def sparse_embeddings(state: ServerState, body: EmbeddingRequest) -> Respo
             "values": [e["value"] for e in entries],
         }
         data.append({"object": "embedding", "index": i, "embedding": embedding})
-    return list_response(state, request_id, data, outputs)
+    return list_response(state, request_id, data, outputs, body.model)

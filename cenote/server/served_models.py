@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cenote.server.errors import APIError, ModelNotFound, Unavailable
+from cenote.server.errors import APIError, BadRequest, ModelNotFound, Unavailable
 from cenote.server.metrics import MetricFamilies
 from cenote.server.state import ServerOptions, ServerState
 
@@ -130,18 +130,39 @@ class ServedModels:
         if state is not None:
             return state
         for base in self.states.values():
-            if base.engine_config.lora.find(model) is not None:
+            if model in base.adapters:
                 return base
         names = [
-            name
-            for base_name, base in self.states.items()
-            for name in (base_name, *(m.lora_name for m in base.engine_config.lora.modules))
+            name for base_name, base in self.states.items() for name in (base_name, *base.adapters)
         ]
         served = ", ".join(repr(name) for name in names)
         raise ModelNotFound(
             f"the model {model!r:.200} does not exist; this server serves {served}",
             param="model",
         )
+
+    # ---- LoRA adapters added and removed at run time ------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """``POST /v1/load_lora_adapter``: serve adapter ``name`` on the default (first) model,
+        as vLLM puts runtime adapters on its first base; 400 for a name already served."""
+        if not name or not path:
+            raise BadRequest("both 'lora_name' and 'lora_path' must be given", param="lora_name")
+        if name in self.states:
+            raise BadRequest(
+                f"{name!r:.200} is the name of a served model; give the adapter another name",
+                param="lora_name",
+            )
+        if any(name in state.adapters for state in self.states.values()):
+            raise BadRequest(
+                f"the LoRA adapter {name!r:.200} has already been loaded", param="lora_name"
+            )
+        await self.default.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """``POST /v1/unload_lora_adapter``: stop serving adapter ``name`` (404 if unknown)."""
+        state = next((s for s in self.states.values() if name in s.adapters), self.default)
+        state.unload_adapter(name)
 
     def _default_for(self, task: str | None) -> ServerState:
         if task is None or len(self.states) == 1:

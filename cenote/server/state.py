@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import Request
@@ -27,6 +28,7 @@ from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import outputs_of
 from cenote.engine_args import option
 from cenote.inputs import PromptType
+from cenote.lora.manager import LoRAManager, shape_checker
 from cenote.lora.request import LoRARequest
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import PoolingRequestOutput
@@ -184,6 +186,11 @@ class ServerOptions:
         "clustering",
         parse=parse_input_type_prompts,
     )
+    enable_lora_runtime_updating: bool = option(
+        False,
+        "mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): LoRA adapters "
+        "served by name are added and removed while the server runs",
+    )
     # not command-line options
     engine_dead_exit_delay_s: float = 2.0  # keep answering 503 this long before exiting
     blocking_threads: int = 2  # threads for tokenization, chat templates and big JSON bodies
@@ -227,6 +234,11 @@ class ServerState:
         self.tool_format: ToolCallFormat | None = None  # set with the input processor
         self.reasoning_format = reasoning_format(options.reasoning_parser)
         self.on_engine_dead: Callable[[str], None] | None = None
+        # LoRA adapters served by name (--lora-modules, then POST /v1/load_lora_adapter); each
+        # load takes a new id, never reused: the engine's resident copies and the caches key on it
+        self.adapters = {m.lora_name: m for m in engine_config.lora.modules}
+        self._next_lora_id = 1 + max((m.lora_int_id for m in self.adapters.values()), default=0)
+        self._shape_checker: LoRAManager | None = None  # built by the first runtime load
         # CPU-bound work of a request runs here, never on the event loop
         self._blocking = ThreadPoolExecutor(options.blocking_threads, "cenote-front")
 
@@ -308,15 +320,67 @@ class ServerState:
         name that is neither the base model nor a served adapter."""
         if model is None or model == self.model_name:
             return None
-        adapter = self.engine_config.lora.find(model)
+        adapter = self.adapters.get(model)
         if adapter is None:
-            names = [self.model_name, *(m.lora_name for m in self.engine_config.lora.modules)]
+            names = [self.model_name, *self.adapters]
             raise ModelNotFound(
                 f"the model {model!r:.200} does not exist; this server serves "
                 f"{', '.join(repr(n) for n in names)}",
                 param="model",
             )
         return adapter
+
+    def echoed_model(self, model: str | None) -> str:
+        """The ``model`` a response echoes: the name the request gave (this model's, or one of
+        its adapters': ``check_model`` refused any other), as vLLM echoes an adapter's name;
+        this model's when the request named none."""
+        return self.model_name if model is None else model
+
+    # ---- LoRA adapters added and removed at run time ------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> LoRARequest:
+        """Serve the PEFT adapter folder ``path`` as ``name``: read and checked against this
+        base (rank, every projection's shape) off the event loop, then usable in ``model``.
+        The engine cores read it at its first request, as they do ``--lora-modules``'.
+        404 when ``path`` is no folder (vLLM: "No adapter found"), 400 naming the problem."""
+        if not Path(path).is_dir():
+            raise ModelNotFound(
+                f"no LoRA adapter found at {path!r:.300}: not a folder", param="lora_path"
+            )
+        request = LoRARequest(name, self._next_lora_id, path)
+        try:
+            await self.offload(self._check_adapter, request)
+        except ValueError as error:
+            raise BadRequest(
+                f"cannot load LoRA adapter {name!r:.200}: {error}", param="lora_path"
+            ) from None
+        if name in self.adapters:  # a load of the same name finished while this one was checked
+            raise BadRequest(
+                f"the LoRA adapter {name!r:.200} has already been loaded", param="lora_name"
+            )
+        self._next_lora_id += 1
+        self.adapters[name] = request
+        logger.info("LoRA adapter %r loaded from %s on %r", name, path, self.model_name)
+        return request
+
+    def _check_adapter(self, request: LoRARequest) -> None:
+        if self._shape_checker is None:
+            self._shape_checker = shape_checker(
+                self.model_config, self.engine_config.lora.max_lora_rank
+            )
+        self._shape_checker.check(request)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``: new requests naming it get 404; requests already
+        running under it finish under it (the engine keeps an adapter a request holds, and
+        evicts it, least recently used, once none does)."""
+        if self.adapters.pop(name, None) is None:
+            raise ModelNotFound(
+                f"the LoRA adapter {name!r:.200} cannot be found; loaded: "
+                f"{', '.join(repr(n) for n in self.adapters) or 'none'}",
+                param="lora_name",
+            )
+        logger.info("LoRA adapter %r unloaded from %r", name, self.model_name)
 
     def check_capacity(self, num_new: int) -> None:
         """429 when the requests beyond ``max_num_seqs`` would pass ``max_waiting_requests``."""
