@@ -59,7 +59,10 @@ def triton_paged_decode() -> PagedDecode | None:
         if rows == 0:
             return out
         q = q if q.stride(2) == 1 else q.contiguous()
-        kv = kv_cache if kv_cache.is_contiguous() else kv_cache.contiguous()
+        # the kernel takes the cache's strides; only its head dimension must be dense (a
+        # layer's cache is: it is allocated whole), never copied on the decode path
+        assert kv_cache.stride(4) == 1, "a KV cache's head dimension must be contiguous"
+        kv = kv_cache
         paged_decode_kernel[(rows, heads)](
             q,
             kv,
