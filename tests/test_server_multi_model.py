@@ -15,6 +15,8 @@ import torch
 
 from cenote.engine.cpu_shares import plan_cpu_shares
 from tests.factories.decoders import make_decoder
+from tests.factories.generation import hf_greedy, random_prompts
+from tests.factories.lora import write_adapter
 from tests.server_fixture import ServerProcess
 
 CHAT_TEMPLATE = (
@@ -27,12 +29,13 @@ NAMES = ["embedder", "reranker", "chat", "broken"]
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, minilm_path, cross_encoder_dir):
     root = tmp_path_factory.mktemp("multi_model")
-    make_decoder(root / "chat", "llama", seed=5)
+    chat = make_decoder(root / "chat", "llama", seed=5)
+    sql = write_adapter(chat, root / "sql", 1, ["q_proj", "v_proj"], r=4, lora_alpha=8)
     broken = root / "broken"  # config and tokenizer read fine; the weights are not safetensors
     shutil.copytree(cross_encoder_dir, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     return {"embedder": minilm_path, "reranker": cross_encoder_dir, "chat": root / "chat",
-            "broken": broken, "root": root}  # fmt: skip
+            "broken": broken, "root": root, "sql": sql}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,8 @@ def server(folders):
     its own token budget only there); no --num-threads: the CPU policy decides."""
     config = folders["root"] / "models.json"
     config.write_text(json.dumps({"models": {
-        "chat": {"model": "chat", "chat_template": CHAT_TEMPLATE, "max_num_batched_tokens": 512},
+        "chat": {"model": "chat", "chat_template": CHAT_TEMPLATE, "max_num_batched_tokens": 512,
+                 "lora_modules": [f"sql={folders['root'] / 'sql'}"]},
         "broken": {"model": str(folders["broken"])},
     }}))  # fmt: skip
     process = ServerProcess(
@@ -63,7 +67,8 @@ def http(server):
 
 def test_models_lists_every_model_with_its_tasks(http):
     cards = {card["id"]: card for card in http.get("/v1/models").json()["data"]}
-    assert list(cards) == NAMES
+    assert list(cards) == ["embedder", "reranker", "chat", "sql", "broken"]  # adapter after base
+    assert cards["sql"]["parent"] == "chat"
     assert "embed" in cards["embedder"]["supported_tasks"]
     assert "classify" in cards["reranker"]["supported_tasks"]
     assert "generate" in cards["chat"]["supported_tasks"]
@@ -142,6 +147,19 @@ def test_chat_and_completions_equal_the_offline_engine(http, folders):
     assert completion.json()["choices"][0]["text"] == expected_text[0].outputs[0].text
 
 
+def test_an_adapter_name_goes_to_its_base_model(http, folders):
+    """A LoRA adapter of the chat model (from the config file) is asked for by its own name
+    and answers as peft's merged model; ``/v1/models/sql`` is its card."""
+    prompt = random_prompts([7], seed=3)[0]
+    body = {"model": "sql", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == "sql"
+    assert response.json()["choices"][0]["token_ids"] == hf_greedy(folders["sql"], [prompt], 6)[0]
+    assert http.get("/v1/models/sql").json()["parent"] == "chat"
+
+
 def test_unknown_model_is_404_listing_the_served_ones(http):
     for path, body in [
         ("/v1/embeddings", {"model": "nope", "input": "a"}),
@@ -155,7 +173,7 @@ def test_unknown_model_is_404_listing_the_served_ones(http):
         assert error["type"] == "not_found_error" and error["param"] == "model"
         assert error["message"] == (
             "the model 'nope' does not exist; this server serves 'embedder', 'reranker', "
-            "'chat', 'broken'"
+            "'chat', 'sql', 'broken'"
         )
     assert http.get("/v1/models/nope").status_code == 404
 
