@@ -139,3 +139,45 @@ print(frozen)
     )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) > 1000
+
+
+def test_an_in_process_call_sets_the_old_heap_aside_and_gives_it_back() -> None:
+    """old_objects_set_aside (around the offline LLM's calls): what is alive on entry is out of
+    the collector's sight inside the call, nested calls keep it so until the last one leaves,
+    and on exit everything is collectable again: cyclic garbage made before the call (a dropped
+    LLM, say) is collected after it; a process frozen for life stays frozen. In a subprocess:
+    the freeze is the whole process's."""
+    script = """
+import gc, weakref
+from cenote.engine.heap import freeze_startup_objects, old_objects_set_aside
+class Node: pass
+def cycle():
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+kept = [Node() for _ in range(1000)]
+assert gc.get_freeze_count() == 0
+with old_objects_set_aside():
+    gone = cycle()  # made inside: collected as usual
+    gc.collect()
+    assert gone() is None, "garbage made inside the call left alive"
+    assert gc.get_freeze_count() > 1000
+    assert id(kept[0]) not in {id(o) for o in gc.get_objects()}, "old object in sight"
+    gone = cycle()
+    with old_objects_set_aside():
+        pass
+    assert gc.get_freeze_count() > 1000, "the inner call gave the heap back early"
+assert gc.get_freeze_count() == 0
+gc.collect()
+assert gone() is None, "garbage frozen during a call never collected"
+frozen = freeze_startup_objects()
+with old_objects_set_aside():
+    pass
+assert gc.get_freeze_count() == frozen, "a process frozen for life was unfrozen"
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

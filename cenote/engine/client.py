@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from cenote.engine.capabilities import ModelCapabilities
 from cenote.engine.core import EngineCore, refused_output
+from cenote.engine.heap import old_objects_set_aside
 from cenote.engine.input_processor import ParentRequest
 from cenote.engine.output_processor import (
     OutputProcessor,
@@ -100,8 +101,9 @@ class InProcessClient:
 
     def run(self, requests: Sequence[ParentRequest], use_tqdm: bool = False) -> list[UserOutput]:
         """Add ``requests``, step until all finished; their final outputs in the same order."""
-        self.add(requests)
-        return self.wait([r.request_id for r in requests], use_tqdm)
+        with old_objects_set_aside():
+            self.add(requests)
+            return self.wait([r.request_id for r in requests], use_tqdm)
 
     def wait(self, request_ids: list[str], use_tqdm: bool = False) -> list[UserOutput]:
         """Step until every request of ``request_ids`` finished; their final outputs in that

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import gc
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_frozen_for_life = False  # freeze_startup_objects ran: the heap stays frozen
+_set_aside = 0  # nesting depth of old_objects_set_aside in this process
+_set_aside_lock = threading.Lock()
 
 
 def freeze_startup_objects() -> int:
@@ -17,6 +24,32 @@ def freeze_startup_objects() -> int:
     server front): a frozen object in a reference cycle is never collected, so an in-process
     ``LLM`` (of which a program may make and drop several) does not freeze. Returns how many
     objects are frozen."""
+    global _frozen_for_life
     gc.collect()
     gc.freeze()
+    _frozen_for_life = True
     return gc.get_freeze_count()
+
+
+@contextmanager
+def old_objects_set_aside() -> Iterator[None]:
+    """The in-process ``LLM``'s form of the freeze above: every object alive on entry (the
+    model, torch, the libraries) is out of the collector's sight for the call and back in its
+    oldest generation on exit, so nothing frozen outlives the call and a dropped ``LLM`` is
+    still collected. ``gc.freeze`` / ``gc.unfreeze`` move whole lists (constant time); the
+    objects the call creates (thousands of requests and their token lists) are collected as
+    usual. What it saves: the full collections those allocations trigger walked the whole
+    startup heap (docs/performance.md, "the host's share"). Nested and concurrent calls keep it
+    set aside until the last one leaves; a process frozen for life is left as it is."""
+    global _set_aside
+    with _set_aside_lock:
+        if not _frozen_for_life and _set_aside == 0:
+            gc.freeze()
+        _set_aside += 1
+    try:
+        yield
+    finally:
+        with _set_aside_lock:
+            _set_aside -= 1
+            if not _frozen_for_life and _set_aside == 0:
+                gc.unfreeze()

@@ -20,6 +20,7 @@ from cenote.assistant.tools import plan_tools
 from cenote.engine import scoring
 from cenote.engine.client import InProcessClient
 from cenote.engine.core import EngineCore
+from cenote.engine.heap import old_objects_set_aside
 from cenote.engine.input_processor import InputProcessor, per_prompt
 from cenote.engine.output_processor import UserOutput, outputs_of
 from cenote.engine.params_validator import Params
@@ -374,10 +375,11 @@ class LLM:
     ) -> list[UserOutput]:
         """Process ``prompts`` (every one valid, or nothing runs) and run them to the end."""
         ids = [self._next_id() for _ in prompts]
-        requests = self.input_processor.process_batch(
-            ids, prompts, params, lora_request=lora_request
-        )
-        return self.client.run(requests, use_tqdm)
+        with old_objects_set_aside():
+            requests = self.input_processor.process_batch(
+                ids, prompts, params, lora_request=lora_request
+            )
+            return self.client.run(requests, use_tqdm)
 
     def _next_id(self) -> str:
         return str(next(self._request_counter))
