@@ -156,7 +156,7 @@ def test_unknown_llm_option_is_a_type_error_listing_the_valid_ones() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"max_num_seqs": "8"}, "option max_num_seqs must be int, got '8'"),
+        ({"max_num_seqs": "8"}, "option max_num_seqs must be int or None, got '8'"),
         ({"block_size": True}, "option block_size must be int, got True"),
         ({"scheduling_policy": "lifo"}, "must be one of 'fcfs', 'priority', got 'lifo'"),
         ({"dtype": "float8"}, "option dtype must be one of 'auto', 'float32'"),

@@ -90,6 +90,21 @@ def test_engine_args_resolve_the_device_before_reading_the_model(
         parser.parse_args(["--device", "gpu"])
 
 
+def test_steps_are_larger_by_default_on_cuda(monkeypatch, minilm_path: Path) -> None:
+    """vLLM's offline defaults for large GPUs: 16,384 tokens and 1,024 requests a step (the
+    host's work per step is what a GPU pass waits on); the CPU keeps 8,192 and 256, and an
+    option given is kept on either."""
+    cpu = EngineArgs(str(minilm_path), device="cpu").create_engine_config().scheduler
+    assert (cpu.max_num_batched_tokens, cpu.max_num_seqs) == (8192, 256)
+    _cuda(monkeypatch, True)
+    cuda = EngineArgs(str(minilm_path), device="cuda").create_engine_config().scheduler
+    assert (cuda.max_num_batched_tokens, cuda.max_num_seqs) == (16384, 1024)
+    given = EngineArgs(
+        str(minilm_path), device="cuda", max_num_batched_tokens=4096, max_num_seqs=8
+    ).create_engine_config()
+    assert (given.scheduler.max_num_batched_tokens, given.scheduler.max_num_seqs) == (4096, 8)
+
+
 def test_data_parallel_engine_cores_are_refused_on_one_gpu(minilm_path: Path) -> None:
     pytest.importorskip("zmq", reason="the server's dependencies (a GPU box may lack them)")
     from cenote.engine.dp_client import split_cores

@@ -13,7 +13,9 @@ Each owns an ``OutputProcessor``; which outputs a generation request gets is its
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from tokenizers import Tokenizer
@@ -103,15 +105,51 @@ class InProcessClient:
         """Add ``requests``, step until all finished; their final outputs in the same order."""
         with old_objects_set_aside():
             self.add(requests)
-            return self.wait([r.request_id for r in requests], use_tqdm)
+            return self._step_until([r.request_id for r in requests], use_tqdm)
+
+    def run_in_parts(
+        self,
+        request_ids: list[str],
+        parts: Sequence[Callable[[], Sequence[ParentRequest]]],
+        use_tqdm: bool = False,
+    ) -> list[UserOutput]:
+        """``run`` of requests that ``parts`` make (each part: a call returning its requests;
+        ``request_ids``: all of theirs, in order), made one after the other on a worker thread
+        while the engine steps the parts already added. Tokenization releases the GIL, so on a
+        GPU, where the host's cores are not the compute, the prompts' tokenization hides behind
+        the steps instead of coming before them. A part that cannot be made (an invalid prompt)
+        aborts the requests added before it and raises its error, as ``run`` raises it before
+        any runs."""
+        with ThreadPoolExecutor(1, thread_name_prefix="cenote-inputs") as maker:
+            made = deque(maker.submit(part) for part in parts)
+
+            def add_ready() -> None:
+                # a part is added once made; when the engine has nothing else, wait for it
+                while made and (made[0].done() or not self.engine.has_unfinished_requests()):
+                    self.add(made.popleft().result())
+
+            try:
+                with old_objects_set_aside():
+                    return self._step_until(request_ids, use_tqdm, add_ready)
+            finally:
+                for future in made:
+                    future.cancel()
 
     def wait(self, request_ids: list[str], use_tqdm: bool = False) -> list[UserOutput]:
         """Step until every request of ``request_ids`` finished; their final outputs in that
         order. A failed request raises its error, and the others are aborted."""
-        pending = set(request_ids)
         unknown = [r for r in request_ids if r not in self.output_processor.states]
         if unknown:  # it would never finish: stepping an idle engine forever
             raise ValueError(f"requests not running (finished or never added): {unknown[:5]}")
+        return self._step_until(request_ids, use_tqdm)
+
+    def _step_until(
+        self,
+        request_ids: list[str],
+        use_tqdm: bool,
+        before_step: Callable[[], None] | None = None,
+    ) -> list[UserOutput]:
+        pending = set(request_ids)
         finished: dict[str, UserOutput] = {}
         bar = tqdm(
             total=len(request_ids),
@@ -120,6 +158,8 @@ class InProcessClient:
         )
         try:
             while pending:
+                if before_step is not None:
+                    before_step()
                 for output in self.outputs():
                     if isinstance(output, RequestFailure):
                         raise output.error

@@ -153,7 +153,7 @@ class InputProcessor:
             )
         ]
         # 5) the adapter each runs under (the core loads it, or refuses the request)
-        for parent, adapter in zip(parents, _per_prompt_adapters(lora_request, num), strict=True):
+        for parent, adapter in zip(parents, per_prompt_adapters(lora_request, num), strict=True):
             assign_adapter([parent], adapter)
         return parents
 
@@ -455,7 +455,7 @@ def assign_adapter(requests: Sequence[ParentRequest], lora_request: LoRARequest 
             child.lora_request = lora_request
 
 
-def _per_prompt_adapters(
+def per_prompt_adapters(
     lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
 ) -> list[LoRARequest | None]:
     """One adapter (or None) per prompt: the same for all, or one each (the counts must match)."""

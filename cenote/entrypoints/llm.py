@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypedDict, TypeVar, Unpack, cast
 
 from cenote.assistant.message import parse_assistant
@@ -21,7 +21,12 @@ from cenote.engine import scoring
 from cenote.engine.client import InProcessClient
 from cenote.engine.core import EngineCore
 from cenote.engine.heap import old_objects_set_aside
-from cenote.engine.input_processor import InputProcessor, per_prompt
+from cenote.engine.input_processor import (
+    InputProcessor,
+    ParentRequest,
+    per_prompt,
+    per_prompt_adapters,
+)
 from cenote.engine.output_processor import UserOutput, outputs_of
 from cenote.engine.params_validator import Params
 from cenote.engine_args import EngineArgs, with_engine_args
@@ -59,6 +64,16 @@ __all__ = [
 ]
 
 _Output = TypeVar("_Output", bound=PoolingOutput)
+# prompts made (tokenized) at once when made beside the steps (off the CPU): 8,192 short texts
+# are 8 parts, the first one's tokenization the only one not behind a step
+_INPUT_PART = 1024
+
+
+def _made_beside_steps(device: str, num_prompts: int) -> bool:
+    """Whether ``num_prompts`` prompts are made (tokenized) in parts beside the steps: off the
+    CPU, where the host's cores are free while the device computes, and for at least two
+    parts. On the CPU those cores are the compute, and the parts would only take turns."""
+    return device != "cpu" and num_prompts >= 2 * _INPUT_PART
 _Params = TypeVar("_Params", SamplingParams, PoolingParams)
 
 Prompts = PromptType | Sequence[PromptType]  # one prompt or a list (``cenote.inputs``)
@@ -260,10 +275,19 @@ class LLM:
         given = per_prompt(
             PoolingParams() if pooling_params is None else pooling_params, len(prompt_list)
         )
-        bound = [_checked(PoolingParams, p, task).with_task(task) for p in given]
-        if prompt_name is not None or prompt is not None:  # the call's choice replaces the params'
-            bound = [dataclasses.replace(p, prompt_name=prompt_name, prompt=prompt) for p in bound]
-        params = _bind(bound, truncate_prompt_tokens, max_active_dims=max_active_dims)
+        # one copy per distinct params object (8,192 prompts under one params: one copy)
+        copies: dict[int, PoolingParams] = {}
+        for p in given:
+            if id(p) not in copies:
+                bound = _checked(PoolingParams, p, task).with_task(task)
+                if prompt_name is not None or prompt is not None:  # the call's replaces the params'
+                    bound = dataclasses.replace(bound, prompt_name=prompt_name, prompt=prompt)
+                copies[id(p)] = bound
+        params = _bind(
+            [copies[id(p)] for p in given],
+            truncate_prompt_tokens,
+            max_active_dims=max_active_dims,
+        )
         results = outputs_of(
             PoolingRequestOutput, self._run(prompt_list, params, use_tqdm, lora_request)
         )
@@ -375,11 +399,30 @@ class LLM:
     ) -> list[UserOutput]:
         """Process ``prompts`` (every one valid, or nothing runs) and run them to the end."""
         ids = [self._next_id() for _ in prompts]
-        with old_objects_set_aside():
-            requests = self.input_processor.process_batch(
-                ids, prompts, params, lora_request=lora_request
-            )
+        if not _made_beside_steps(self.config.model.device, len(prompts)):
+            with old_objects_set_aside():
+                requests = self.input_processor.process_batch(
+                    ids, prompts, params, lora_request=lora_request
+                )
             return self.client.run(requests, use_tqdm)
+        params_list = per_prompt(params, len(prompts))
+        adapters = per_prompt_adapters(lora_request, len(prompts))
+        # every params is checked before anything runs (the parts check their prompts)
+        for p in {id(p): p for p in params_list}.values():
+            self.input_processor.validator.check(p)
+
+        def part(start: int) -> Callable[[], list[ParentRequest]]:
+            end = start + _INPUT_PART
+            return lambda: self.input_processor.process_batch(
+                ids[start:end],
+                prompts[start:end],
+                params_list[start:end],
+                lora_request=adapters[start:end],
+                indices=range(start, min(end, len(prompts))),
+            )
+
+        parts = [part(start) for start in range(0, len(prompts), _INPUT_PART)]
+        return self.client.run_in_parts(ids, parts, use_tqdm)
 
     def _next_id(self) -> str:
         return str(next(self._request_counter))
