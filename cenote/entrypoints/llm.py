@@ -74,6 +74,8 @@ def _made_beside_steps(device: str, num_prompts: int) -> bool:
     CPU, where the host's cores are free while the device computes, and for at least two
     parts. On the CPU those cores are the compute, and the parts would only take turns."""
     return device != "cpu" and num_prompts >= 2 * _INPUT_PART
+
+
 _Params = TypeVar("_Params", SamplingParams, PoolingParams)
 
 Prompts = PromptType | Sequence[PromptType]  # one prompt or a list (``cenote.inputs``)
