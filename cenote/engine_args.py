@@ -37,7 +37,7 @@ from cenote.config import (
     parse_lora_modules,
 )
 from cenote.models.registry import ConvertOption, get_entry
-from cenote.platform import DeviceName, check_device_options, resolve_device
+from cenote.platform import DeviceName, check_device_options, resolve_device, uses_cuda_graphs
 
 _MIN_TOKEN_BUDGET = 8192  # default token budget of a step, raised to max_model_len when longer
 
@@ -112,6 +112,12 @@ class EngineArgs:
         shown=f"max({_MIN_TOKEN_BUDGET}, max_model_len)",
     )
     max_num_seqs: int = option(256, "requests in one engine step")
+    enforce_eager: bool = option(
+        False,
+        "run every step eagerly: no CUDA graphs (on CUDA, steps whose rows all decode replay "
+        "a graph captured at start-up per padded batch size 1, 2, 4, ... max_num_seqs; the CPU "
+        "always runs eagerly)",
+    )
     max_prompt_logprobs_tokens: int = option(
         512,
         "prompt tokens of one engine step whose logprobs are asked for, all its requests "
@@ -304,6 +310,7 @@ class EngineArgs:
                 max_lora_rank=self.max_lora_rank,
             ),
             num_threads=self.num_threads,
+            cuda_graphs=uses_cuda_graphs(device, self.enforce_eager),
             seed=self.seed,
         )
 

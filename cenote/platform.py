@@ -60,6 +60,12 @@ def check_device_options(device: str, *, num_threads: int | None, quantization: 
         )
 
 
+def uses_cuda_graphs(device: str, enforce_eager: bool) -> bool:
+    """Whether all-decode steps replay CUDA graphs (runner/decode_graphs.py): on CUDA unless
+    ``enforce_eager``; the CPU runs every step eagerly (its decode stack is one C++ call)."""
+    return device == "cuda" and not enforce_eager
+
+
 def runs_cpu_kernels(*tensors: torch.Tensor) -> bool:
     """Whether cenote's C++ kernels may take these tensors: all on the CPU. The one device
     decision of every kernel call site (the kernels read raw host pointers)."""
