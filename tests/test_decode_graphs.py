@@ -1,6 +1,6 @@
 """CUDA graphs for all-decode steps (cenote/runner/decode_graphs.py), checked on the host: the
 padded sizes, which steps replay, what a replay's static inputs hold (real rows as the eager
-plan builds them, padding rows on the scratch block), and the whole engine with the host's
+plan builds them, padding rows on the scratch block), and the whole engine on the CPU with the host's
 stand-in graph (which runs the same staging and preset plans) against ``enforce_eager``:
 bit-identical tokens and logprobs. The graphs themselves run in benchmarks/gpu_check.py."""
 
@@ -205,13 +205,13 @@ def _generate(llm, prompts):
 def test_replayed_steps_equal_eager_bit_for_bit(family, overrides, tmp_path: Path, monkeypatch):
     make_decoder(tmp_path, family, **overrides)
     prompts = random_prompts([1, 6, 11], seed=3)  # decode batches of 3 (padded to 4), then 1
-    eager = make_llm(tmp_path, block_size=4, enforce_eager=True)
+    eager = make_llm(tmp_path, device="cpu", block_size=4, enforce_eager=True)
     assert eager.engine.runner.decode_graphs is None
     expected = _generate(eager, prompts[:1]), _generate(eager, prompts)
     del eager
 
     monkeypatch.setattr("cenote.engine_args.uses_cuda_graphs", lambda device, eager: not eager)
-    llm = make_llm(tmp_path, block_size=4, num_gpu_blocks_override=80, max_num_seqs=4)
+    llm = make_llm(tmp_path, device="cpu", block_size=4, num_gpu_blocks_override=80, max_num_seqs=4)
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
     assert llm.engine.runner.kv_caches[0].shape[2] == 81  # the scratch block after the 80
@@ -245,6 +245,6 @@ def test_enforce_eager_reaches_the_engine_args_from_the_command_line() -> None:
 
 def test_the_cpu_engine_captures_nothing(tmp_path: Path) -> None:
     make_decoder(tmp_path, "llama")
-    llm = make_llm(tmp_path)
+    llm = make_llm(tmp_path, device="cpu")
     assert llm.config.cuda_graphs is False and llm.engine.runner.decode_graphs is None
     assert llm.engine.runner.kv_caches[0].shape[2] == llm.engine.kv_cache_manager.num_blocks
