@@ -10,6 +10,7 @@ from functools import cached_property
 import torch
 
 from cenote.forward_context import AttentionMetadata
+from cenote.platform import to_device
 
 
 @dataclass
@@ -99,9 +100,8 @@ def _build_paged_plan(md: AttentionMetadata, window: int | None) -> PagedPlan:
     starts = torch.zeros_like(ends) if window is None else (ends - window).clamp_(min=0)
     decode_rows = torch.tensor([md.query_start_loc[i] for i in decode], dtype=torch.long)
     all_decode = len(decode) == len(lens)
-    # one host -> device copy each, shared by every layer; no-ops on the CPU
-    padded, starts, ends = padded.to(md.device), starts.to(md.device), ends.to(md.device)
-    decode_rows = decode_rows.to(md.device)
+    # one host -> device copy for the four, shared by every layer; none on the CPU
+    padded, starts, ends, decode_rows = to_device([padded, starts, ends, decode_rows], md.device)
     return PagedPlan(
         size, decode_rows, all_decode, padded, starts, ends, fresh_starts, fresh_lengths, prefills
     )
