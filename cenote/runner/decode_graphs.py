@@ -185,16 +185,10 @@ class DecodeGraphs:
             device=self.device,
         )
         for i, window in enumerate(self.windows):
-            tables = self._tables_at + i * self.table_width
-            preset_decode_plan(
-                metadata,
-                window,
-                tables=rows[
-                    :, tables : tables + self.table_width
-                ],  # rows strided, as the kernels take
-                starts=rows[:, 3 + 2 * i].contiguous(),
-                ends=rows[:, 4 + 2 * i].contiguous(),
-            )
+            first = self._tables_at + i * self.table_width
+            tables = rows[:, first : first + self.table_width]  # strided rows: the kernels take it
+            starts, ends = rows[:, 3 + 2 * i].contiguous(), rows[:, 4 + 2 * i].contiguous()
+            preset_decode_plan(metadata, window, tables=tables, starts=starts, ends=ends)
         with forward_context(metadata), lora_context(None):
             hidden: torch.Tensor = self.model(
                 rows[:, 0].contiguous(), rows[:, 1].contiguous(), None

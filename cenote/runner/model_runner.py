@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ from cenote.lora.manager import LoRAManager
 from cenote.messages import LogprobsLists
 from cenote.models.interfaces import CausalLM, DecoderModel, Model
 from cenote.models.layers.lora import lora_context
+from cenote.models.layers.triton_attention import triton_paged_decode
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.pooler import DispatchPooler
 from cenote.runner.batch import build_input_batch
@@ -27,6 +29,8 @@ from cenote.sampling.metadata import (
 from cenote.sampling.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
 from cenote.structured.grammar import allowed_tokens
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,17 +77,26 @@ class ModelRunner:
         )
         self.decode_graphs: DecodeGraphs | None = None
         if config.cuda_graphs and kv_caches is not None and self.lm_head is not None:
-            assert isinstance(model, DecoderModel)  # a model with a KV cache declares its layout
-            num_blocks = kv_caches[0].shape[2]  # the last one is the padding rows' scratch
-            self.decode_graphs = DecodeGraphs(
-                model,
-                kv_caches,
-                block_size=self.block_size,
-                max_model_len=config.model.max_model_len,
-                max_num_seqs=config.scheduler.max_num_seqs,
-                scratch_block=num_blocks - 1,
-                device=self.device,
-            )
+            self.decode_graphs = self._decode_graphs(model, kv_caches)
+
+    def _decode_graphs(self, model: Model, kv_caches: list[torch.Tensor]) -> DecodeGraphs | None:
+        """The all-decode graphs of a causal LM on CUDA, or None where decode attention has no
+        kernel to read blocks in place (without Triton a graph would gather every row's whole
+        table)."""
+        if self.device.type == "cuda" and triton_paged_decode() is None:
+            logger.info("CUDA graphs off: decode attention needs Triton's paged kernel")
+            return None
+        assert isinstance(model, DecoderModel)  # a model with a KV cache declares its layout
+        num_blocks = kv_caches[0].shape[2]  # the last one is the padding rows' scratch
+        return DecodeGraphs(
+            model,
+            kv_caches,
+            block_size=self.block_size,
+            max_model_len=self.config.model.max_model_len,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            scratch_block=num_blocks - 1,
+            device=self.device,
+        )
 
     def capture_decode_graphs(self) -> None:
         """Capture the all-decode graphs (CUDA; nothing with --enforce-eager or on the CPU)."""
