@@ -6,6 +6,7 @@ bit-identical tokens and logprobs. The graphs themselves run in benchmarks/gpu_c
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from cenote.platform import uses_cuda_graphs
 from cenote.pooling_params import PoolingParams
 from cenote.runner.batch import build_input_batch
 from cenote.runner.decode_graphs import (
+    CudaGraph,
     DecodeGraphs,
     capture_sizes,
     graph_size,
@@ -183,6 +185,35 @@ def test_a_smaller_step_after_a_larger_one_replays_its_own_size() -> None:
     tables, starts, ends = replay["plans"][None]
     assert tables[0, 0] == 8 and starts.tolist() == [0] and ends.tolist() == [3]
     assert not graphs.takes([_request(str(i), 0, [i]) for i in range(5)])  # above the largest
+
+
+def test_a_cuda_graph_warms_up_then_captures_into_the_shared_pool(monkeypatch) -> None:
+    """The calls ``CudaGraph`` makes, against stand-ins with torch's names (the real ones need a
+    GPU): a warm-up pass, a synchronize, one pass inside ``torch.cuda.graph(pool=...)``, then
+    replays that return the captured output."""
+    import inspect
+
+    assert "pool" in inspect.signature(torch.cuda.graph).parameters
+    calls: list = []
+
+    class FakeCUDAGraph:
+        def replay(self) -> None:
+            calls.append("replay")
+
+    @contextmanager
+    def fake_graph(graph, pool=None):
+        calls.append(("capture", type(graph).__name__, pool))
+        yield
+        calls.append("end")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeCUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
+    output = torch.ones(2)
+    graph = CudaGraph(pool="pool")
+    graph.capture(lambda: calls.append("forward") or output)
+    assert calls == ["forward", "sync", ("capture", "FakeCUDAGraph", "pool"), "forward", "end"]
+    assert graph.replay() is output and calls[-1] == "replay"
 
 
 # ---- the engine with the host's stand-in graph -----------------------------------------------
