@@ -1,7 +1,8 @@
 """cenote on a CUDA GPU, one table: the environment, MiniLM embeddings against
 sentence-transformers (fp32 reference, same GPU), greedy decode of a tiny random-weight Llama
-against transformers, embedding throughput against sentence-transformers and decode throughput
-against transformers ``generate`` (1 / 16 / 64 streams) on the same GPU.
+against transformers, CUDA-graph decode against eager (bit-identical), embedding throughput
+against sentence-transformers and decode throughput against transformers ``generate`` (1 / 16 /
+64 streams, cenote with and without CUDA graphs) on the same GPU.
 
 Run by scripts/gpu_check.sh (which also runs the parity tests with CENOTE_TEST_DEVICE=cuda);
 exits 1 when a check misses its target. ``--out FILE`` also writes the table there.
@@ -10,6 +11,7 @@ exits 1 when a check misses its target. ``--out FILE`` also writes the table the
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -155,6 +157,63 @@ def greedy() -> None:
     )
 
 
+def decode_graphs() -> None:
+    """CUDA graphs against eager on the tiny Llama (fp32): a graph's replay equals the eager
+    trunk over the same static inputs bit for bit; greedy tokens are identical to
+    ``enforce_eager=True``; logprobs are bit-identical where the batch is a captured size
+    (1, 4 streams), and only close where it is padded (5 streams run the size 8: the matmuls
+    see 8 rows, not 5)."""
+    from factories.decoders import make_decoder
+    from factories.generation import random_prompts, token_prompts
+
+    from cenote import LLM, SamplingParams
+
+    folder = Path(tempfile.mkdtemp())
+    make_decoder(folder, "llama")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(str(folder), device="cuda", dtype="float32", block_size=4, enforce_eager=eager)
+        graphs = llm.engine.runner.decode_graphs
+        assert (graphs is None) == eager
+        for count in (1, 4, 5):
+            prompts = token_prompts(random_prompts([3 + 4 * i for i in range(count)], seed=count))
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            runs[(eager, count)] = [
+                (o.outputs[0].token_ids, [sorted(s.items()) for s in o.outputs[0].logprobs])
+                for o in outputs
+            ]
+        if graphs is not None:
+            record("decode graphs captured (tiny Llama)", f"sizes {sorted(graphs.graphs)}")
+            size = 8  # the last step above: 5 streams, padded to 8
+            replayed = graphs.graphs[size].replay().clone()
+            with torch.inference_mode():
+                recomputed = graphs.forward(size)
+            record(
+                "graph replay vs eager trunk, same inputs (size 8, fp32)",
+                "bit-identical" if torch.equal(replayed, recomputed) else "differ",
+                torch.equal(replayed, recomputed),
+            )
+        del llm
+        torch.cuda.empty_cache()
+    for count in (1, 4, 5):
+        eager, graphed = runs[(True, count)], runs[(False, count)]
+        same_tokens = all(e[0] == g[0] for e, g in zip(eager, graphed, strict=True))
+        diff = max(
+            abs(a[1].logprob - b[1].logprob)
+            for e, g in zip(eager, graphed, strict=True)
+            for step_e, step_g in zip(e[1], g[1], strict=True)
+            for a, b in zip(step_e, step_g, strict=True)
+        )
+        exact = count in (1, 4)
+        record(
+            f"greedy with graphs vs enforce_eager, {count} streams (fp32)",
+            f"tokens {'identical' if same_tokens else 'DIFFER'}, logprobs max |diff| {diff:.3g}"
+            + (" (a captured size: must be 0)" if exact else " (padded to 8)"),
+            same_tokens and (diff == 0 or not exact),
+        )
+
+
 DECODE_SHAPE = dict(  # SmolLM2-135M's shape; random weights, so nothing is carried to the GPU
     hidden_size=576,
     intermediate_size=1536,
@@ -180,13 +239,17 @@ def decode_throughput() -> None:
     folder = Path(tempfile.mkdtemp())
     theirs = make_decoder(folder, "llama", **DECODE_SHAPE)
     theirs = theirs.to("cuda", torch.bfloat16).eval()
-    llm = LLM(str(folder), device="cuda", dtype="bfloat16")
+    engines = {}
+    for name, eager in (("cenote", False), ("cenote eager", True)):
+        start = time.perf_counter()
+        engines[name] = LLM(str(folder), device="cuda", dtype="bfloat16", enforce_eager=eager)
+        record(f"engine start-up, SmolLM2 shape ({name})", f"{time.perf_counter() - start:.1f} s")
     gen = torch.Generator().manual_seed(0)
     for streams in DECODE_STREAMS:
         ids = torch.randint(3, DECODE_SHAPE["vocab_size"], (streams, PROMPT_TOKENS), generator=gen)
         prompts = [{"prompt_token_ids": row.tolist()} for row in ids]
 
-        def ours(new: int, prompts: list[dict] = prompts) -> None:
+        def run_engine(new: int, llm, prompts: list[dict] = prompts) -> None:
             params = SamplingParams(
                 temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False
             )
@@ -205,15 +268,19 @@ def decode_throughput() -> None:
                 )
             assert out.shape[1] == PROMPT_TOKENS + new
 
+        runs = {name: functools.partial(run_engine, llm=llm) for name, llm in engines.items()}
+        runs["transformers"] = reference
         rates = {}
-        for name, run in (("cenote", ours), ("transformers", reference)):
+        for name, run in runs.items():
             run(8)  # warm-up
             rates[name] = streams * NEW_TOKENS / timed(lambda run=run: run(NEW_TOKENS))
         ratio = rates["cenote"] / rates["transformers"]
         at_target = streams == 16
         record(
             f"decode tok/s, {streams} streams x {NEW_TOKENS} (bf16, SmolLM2 shape): cenote",
-            f"{rates['cenote']:,.0f} vs transformers {rates['transformers']:,.0f}: {ratio:.2f}x"
+            f"{rates['cenote']:,.0f} (CUDA graphs; eager {rates['cenote eager']:,.0f}: "
+            f"{rates['cenote'] / rates['cenote eager']:.2f}x) vs transformers "
+            f"{rates['transformers']:,.0f}: {ratio:.2f}x"
             + (f" (target {DECODE_TARGET}x)" if at_target else ""),
             ratio >= DECODE_TARGET if at_target else None,
         )
@@ -226,7 +293,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 1
-    for step in (probe, embeddings, greedy, decode_throughput):
+    for step in (probe, embeddings, greedy, decode_graphs, decode_throughput):
         try:
             step()
         except Exception as e:  # one broken check must not hide the others' results

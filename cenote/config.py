@@ -314,6 +314,8 @@ class EngineConfig:
     # server's engine-core process uses every core it may run on
     num_threads: int | None = None
     cpu_ids: tuple[int, ...] | None = None  # cores the engine-core process runs on; None = any
+    # all-decode steps replay graphs (runner/decode_graphs.py): CUDA without --enforce-eager
+    cuda_graphs: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

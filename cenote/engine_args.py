@@ -37,7 +37,7 @@ from cenote.config import (
     parse_lora_modules,
 )
 from cenote.models.registry import ConvertOption, get_entry
-from cenote.platform import DeviceName, check_device_options, resolve_device
+from cenote.platform import DeviceName, check_device_options, resolve_device, uses_cuda_graphs
 
 _MIN_TOKEN_BUDGET = 8192  # default token budget of a step, raised to max_model_len when longer
 # On CUDA (vLLM's offline defaults for large GPUs): a step's device work is small next to its
@@ -119,6 +119,12 @@ class EngineArgs:
     )
     max_num_seqs: int | None = option(
         None, "requests in one engine step", shown=f"256; {_CUDA_MAX_NUM_SEQS} on CUDA"
+    )
+    enforce_eager: bool = option(
+        False,
+        "run every step eagerly: no CUDA graphs (on CUDA, steps whose rows all decode replay "
+        "a graph captured at start-up per padded batch size 1, 2, 4, ... max_num_seqs; the CPU "
+        "always runs eagerly)",
     )
     max_prompt_logprobs_tokens: int = option(
         512,
@@ -317,6 +323,7 @@ class EngineArgs:
                 max_lora_rank=self.max_lora_rank,
             ),
             num_threads=self.num_threads,
+            cuda_graphs=uses_cuda_graphs(device, self.enforce_eager),
             seed=self.seed,
         )
 

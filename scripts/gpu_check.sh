@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# cenote on a CUDA GPU, one command (under 2 minutes on an H200, docs/performance.md): the table of
-# benchmarks/gpu_check.py (environment, MiniLM parity and throughput vs sentence-transformers,
-# tiny Llama greedy vs transformers), then the parity tests with CENOTE_TEST_DEVICE=cuda.
+# cenote on a CUDA GPU, one command (about 2 minutes on an H200 before CUDA graphs,
+# docs/performance.md): the table of benchmarks/gpu_check.py (environment, MiniLM parity and
+# throughput vs sentence-transformers, tiny Llama greedy vs transformers, CUDA graphs vs eager,
+# decode throughput with and without graphs vs transformers), then the parity tests with
+# CENOTE_TEST_DEVICE=cuda.
 # Exits non-zero when any of them fails. OUT (optional): a folder for the table and the logs.
 set -u -o pipefail
 cd "$(dirname "$0")/.."

@@ -21,7 +21,14 @@ from cenote.models.layers import attention as attention_module
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.attention_plan import paged_plan
 from cenote.models.layers.norm import LayerNorm
-from cenote.platform import check_device_options, resolve_device, runs_cpu_kernels
+from cenote.platform import (
+    check_device_options,
+    pack,
+    resolve_device,
+    runs_cpu_kernels,
+    to_device,
+    unpack,
+)
 from cenote.runner.batch import build_input_batch
 from cenote.sampling.sampler import numpy_mask_allowed, torch_mask_allowed
 from cenote.scheduler.output import ScheduledRequest
@@ -179,6 +186,18 @@ def test_step_tensors_and_plans_live_on_the_model_device() -> None:
     assert host.attention.slot_mapping.tolist() == [2 * 4 + 0, 4, 5, 6]
 
 
+def test_host_tensors_travel_packed_end_to_end_and_come_back_as_views() -> None:
+    parts = [torch.arange(5), torch.tensor([[7, 8], [9, 10]]), torch.empty(0, dtype=torch.long)]
+    flat, sizes = pack(parts)
+    assert flat.tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10] and sizes == [5, 4, 0]
+    back = unpack(flat, sizes, parts)
+    assert [b.shape for b in back] == [p.shape for p in parts]
+    assert all(torch.equal(b, p) for b, p in zip(back, parts, strict=True))
+    assert back[1].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    host = to_device(parts, torch.device("cpu"))
+    assert all(h is p for h, p in zip(host, parts, strict=True))  # the host copies nothing
+
+
 def test_structured_outputs_mask_on_a_device_matches_the_host_one() -> None:
     vocab = 75  # two whole words and a partial one, plus ids past the bitmask when W = 2
     generator = torch.Generator().manual_seed(0)
@@ -222,3 +241,31 @@ def test_tiny_llama_greedy_on_cuda_keeps_its_kv_cache_there(tmp_path: Path) -> N
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 8
+
+
+@pytest.mark.gpu
+def test_host_tensors_reach_cuda_in_one_pinned_copy() -> None:
+    parts = [torch.arange(5), torch.tensor([[7, 8], [9, 10]])]
+    moved = to_device(parts, torch.device("cuda"))
+    assert all(m.device.type == "cuda" for m in moved)
+    assert [m.cpu().tolist() for m in moved] == [p.tolist() for p in parts]
+    assert moved[0].untyped_storage().data_ptr() == moved[1].untyped_storage().data_ptr()
+
+
+@pytest.mark.gpu
+def test_tiny_llama_decode_graphs_equal_eager_on_cuda(tmp_path: Path) -> None:
+    from cenote import LLM, SamplingParams
+
+    make_decoder(tmp_path, "llama")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12]}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    results = []
+    for eager in (True, False):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", enforce_eager=eager)
+        assert (llm.engine.runner.decode_graphs is None) == eager
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results.append(
+            [(o.outputs[0].token_ids, [sorted(s.items()) for s in o.outputs[0].logprobs])
+             for o in outputs]
+        )  # fmt: skip
+    assert results[0] == results[1]  # two streams: a captured size, bit for bit

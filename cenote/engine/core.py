@@ -79,6 +79,7 @@ class EngineCore:
         self.runner = ModelRunner(config, self.model, pooler, kv_caches)
         for adapter in config.lora.modules:  # served by name: checked and resident from the start
             self.runner.lora.activate(adapter)
+        self.runner.capture_decode_graphs()  # CUDA: after the weights and cache are final
         cacheable: frozenset[PoolingTask] = frozenset()  # tasks that may reuse the prefix cache
         if pooler is not None:
             tasks = pooler.get_supported_tasks()
@@ -135,7 +136,9 @@ class EngineCore:
             self.config.model.dtype,
         )  # fmt: skip
         _check_kv_cache_fits(self.config, num_blocks, bytes_per_block, model.kv_sliding_window)
-        shape = kv_cache_shape(num_blocks, cache.block_size, model.num_kv_heads, model.head_dim)
+        # with CUDA graphs one block more, never handed out: the padding rows' scratch block
+        allocated = num_blocks + 1 if self.config.cuda_graphs else num_blocks
+        shape = kv_cache_shape(allocated, cache.block_size, model.num_kv_heads, model.head_dim)
         dtype, device = self.config.model.dtype, self.config.model.device
         kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)

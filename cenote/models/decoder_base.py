@@ -63,6 +63,7 @@ class DecoderBase(nn.Module):
         self.num_kv_heads: int = attention.num_kv_heads
         self.head_dim: int = attention.head_dim
         self.kv_sliding_window = kv_free_window(windows)
+        self.attention_windows = tuple(sorted(set(windows), key=lambda window: window or 0))
         q, kv, intermediate = attention.q_size, attention.kv_size, self.config["intermediate_size"]
         self._shard_rows = {
             "q": (0, q),

@@ -62,6 +62,7 @@ class DecoderModel(Model, Protocol):
     num_kv_heads: int
     head_dim: int
     kv_sliding_window: int | None  # set when every layer slides: blocks behind it are freed
+    attention_windows: tuple[int | None, ...]  # its layers' distinct windows (None: no window)
 
 
 @runtime_checkable

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cenote.forward_context import AttentionMetadata
+from cenote.platform import to_device
 from cenote.scheduler.output import ScheduledRequest
 
 
@@ -39,7 +40,7 @@ def build_input_batch(
     """Concatenate the new tokens of every scheduled request, in batch order. Without a KV cache
     the batch is padded to ``padded_rows(num_tokens, max_position)`` rows (``max_position``: the
     model's position limit, which the padding's positions stay below; None: no padding). The
-    tensors are built on the host and copied once to ``device`` (None: the host)."""
+    tensors are built on the host and reach ``device`` (None: the host) in one copy."""
     device = device or torch.device("cpu")
     input_ids: list[int] = []
     positions: list[int] = []
@@ -61,11 +62,17 @@ def build_input_batch(
         positions.extend(range(padding))
         token_types.extend([0] * padding if has_segments else [])
     positions_tensor = torch.tensor(positions, dtype=torch.long)
-    slot_mapping = None
+    # one copy to the device for all of them (on the host: the tensors themselves)
+    parts = [torch.tensor(input_ids, dtype=torch.long), positions_tensor]
+    if has_segments:
+        parts.append(torch.tensor(token_types, dtype=torch.long))
     block_tables = None
     if kv_caches is not None:
         block_tables = [s.block_ids for s in scheduled]
-        slot_mapping = _slot_mapping(scheduled, positions_tensor, block_size).to(device)
+        parts.append(_slot_mapping(scheduled, positions_tensor, block_size))
+    moved = to_device(parts, device)
+    slot_mapping = moved.pop() if kv_caches is not None else None
+    token_type_ids = moved.pop() if has_segments else None
     attention = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
@@ -76,12 +83,10 @@ def build_input_batch(
         kv_caches=kv_caches,
         device=device,
     )
-    # .to: a no-op on the host
-    token_type_ids = torch.tensor(token_types, dtype=torch.long) if has_segments else None
     return InputBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
-        positions=positions_tensor.to(device),
-        token_type_ids=token_type_ids.to(device) if token_type_ids is not None else None,
+        input_ids=moved[0],
+        positions=moved[1],
+        token_type_ids=token_type_ids,
         attention=attention,
         row_ends=query_start_loc[1:],
         num_tokens=num_tokens,

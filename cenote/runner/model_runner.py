@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -10,11 +11,13 @@ from cenote.config import EngineConfig
 from cenote.forward_context import forward_context
 from cenote.lora.manager import LoRAManager
 from cenote.messages import LogprobsLists
-from cenote.models.interfaces import CausalLM, Model
+from cenote.models.interfaces import CausalLM, DecoderModel, Model
 from cenote.models.layers.lora import lora_context
+from cenote.models.layers.triton_attention import triton_paged_decode
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.pooler import DispatchPooler
-from cenote.runner.batch import InputBatch, build_input_batch
+from cenote.runner.batch import build_input_batch
+from cenote.runner.decode_graphs import DecodeGraphs
 from cenote.runner.output import ModelRunnerOutput
 from cenote.sampling.metadata import (
     AllowedTokens,
@@ -27,18 +30,20 @@ from cenote.sampling.sampler import LogprobsTensors, Sampler, compute_prompt_log
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
 from cenote.structured.grammar import allowed_tokens
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class _Step:
     """One step's trunk pass, as each branch reads it."""
 
     scheduled: list[ScheduledRequest]  # [num_requests] in batch order
-    batch: InputBatch
+    row_ends: list[int]  # [num_requests] index one past each request's last row
     hidden: torch.Tensor  # [num_tokens, hidden]
 
     def rows(self, i: int) -> slice:
         """The rows of the ``i``-th request's new tokens."""
-        end = self.batch.row_ends[i]
+        end = self.row_ends[i]
         return slice(end - self.scheduled[i].num_tokens, end)
 
 
@@ -70,6 +75,33 @@ class ModelRunner:
         self.lora = LoRAManager(
             model, lora.max_loras, lora.max_lora_rank, config.model.dtype, self.device
         )
+        self.decode_graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and kv_caches is not None and self.lm_head is not None:
+            self.decode_graphs = self._decode_graphs(model, kv_caches)
+
+    def _decode_graphs(self, model: Model, kv_caches: list[torch.Tensor]) -> DecodeGraphs | None:
+        """The all-decode graphs of a causal LM on CUDA, or None where decode attention has no
+        kernel to read blocks in place (without Triton a graph would gather every row's whole
+        table)."""
+        if self.device.type == "cuda" and triton_paged_decode() is None:
+            logger.info("CUDA graphs off: decode attention needs Triton's paged kernel")
+            return None
+        assert isinstance(model, DecoderModel)  # a model with a KV cache declares its layout
+        num_blocks = kv_caches[0].shape[2]  # the last one is the padding rows' scratch
+        return DecodeGraphs(
+            model,
+            kv_caches,
+            block_size=self.block_size,
+            max_model_len=self.config.model.max_model_len,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            scratch_block=num_blocks - 1,
+            device=self.device,
+        )
+
+    def capture_decode_graphs(self) -> None:
+        """Capture the all-decode graphs (CUDA; nothing with --enforce-eager or on the CPU)."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -83,8 +115,21 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if scheduler_output.is_empty:
             return output
-        # 2) flat batch -> trunk
+        # 2) flat batch -> trunk (all-decode steps: a CUDA graph's replay)
         scheduled = scheduler_output.scheduled
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.takes(scheduled):
+            step = _Step(scheduled, list(range(1, len(scheduled) + 1)), graphs.run(scheduled))
+        else:
+            step = self._run_eager(scheduled)
+        # 3) branch once per row: pool finished prompts, sample at the end of known tokens
+        output.pooler_output = self._pool(step)
+        if self.sampler is not None:
+            self._sample(step, output)
+            self._prompt_logprobs(step, output)
+        return output
+
+    def _run_eager(self, scheduled: list[ScheduledRequest]) -> _Step:
         batch = build_input_batch(
             scheduled, self.block_size, self.kv_caches, self.config.model.max_model_len, self.device
         )
@@ -94,13 +139,7 @@ class ModelRunner:
         with forward_context(batch.attention), lora_context(lora_batch):
             hidden = self.model(batch.input_ids, batch.positions, batch.token_type_ids)
         hidden = hidden[: batch.num_tokens]  # [num_tokens, hidden]: without the padding rows
-        step = _Step(scheduled, batch, hidden)
-        # 3) branch once per row: pool finished prompts, sample at the end of known tokens
-        output.pooler_output = self._pool(step)
-        if self.sampler is not None:
-            self._sample(step, output)
-            self._prompt_logprobs(step, output)
-        return output
+        return _Step(scheduled, batch.row_ends, hidden)
 
     # ---- pooling branch ---------------------------------------------------------------------
 
@@ -144,7 +183,7 @@ class ModelRunner:
         indices = [i for i, s in enumerate(scheduled) if s.needs_sample]
         if not indices:
             return
-        last_rows = torch.tensor([step.batch.row_ends[i] - 1 for i in indices], device=self.device)
+        last_rows = torch.tensor([step.row_ends[i] - 1 for i in indices], device=self.device)
         logits = self.lm_head.compute_logits(step.hidden[last_rows])  # [num_rows, vocab]
         rows = [self._sampling_row(scheduled[i]) for i in indices]
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)

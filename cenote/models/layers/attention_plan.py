@@ -10,6 +10,7 @@ from functools import cached_property
 import torch
 
 from cenote.forward_context import AttentionMetadata
+from cenote.platform import to_device
 
 
 @dataclass
@@ -56,7 +57,7 @@ class PagedPlan:
 
 def paged_plan(metadata: AttentionMetadata, window: int | None = None) -> PagedPlan:
     """The plan of the layers that see keys fewer than ``window`` positions back (None: all)."""
-    key = ("paged", window)
+    key = _plan_key(window)
     plan = metadata.plans.get(key)
     if plan is None:
         plan = metadata.plans[key] = _build_paged_plan(metadata, window)
@@ -76,7 +77,7 @@ def _build_paged_plan(md: AttentionMetadata, window: int | None) -> PagedPlan:
         if n == seq_len:
             fresh.append(i)
             continue
-        first = _first_visible_block(seq_len - n, window, size)
+        first = first_visible_block(seq_len - n, window, size)
         queries = torch.arange(seq_len - n, seq_len).unsqueeze(1)
         keys = torch.arange(first * size, seq_len).unsqueeze(0)
         mask = keys <= queries
@@ -91,7 +92,7 @@ def _build_paged_plan(md: AttentionMetadata, window: int | None) -> PagedPlan:
     if not decode:
         return PagedPlan(size, None, False, None, None, None, fresh_starts, fresh_lengths, prefills)
     seq_lens = [md.seq_lens[i] for i in decode]
-    firsts = [_first_visible_block(n - 1, window, size) for n in seq_lens]
+    firsts = [first_visible_block(n - 1, window, size) for n in seq_lens]
     tables = [md.block_tables[i][f:] for i, f in zip(decode, firsts, strict=True)]
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)
@@ -99,15 +100,35 @@ def _build_paged_plan(md: AttentionMetadata, window: int | None) -> PagedPlan:
     starts = torch.zeros_like(ends) if window is None else (ends - window).clamp_(min=0)
     decode_rows = torch.tensor([md.query_start_loc[i] for i in decode], dtype=torch.long)
     all_decode = len(decode) == len(lens)
-    # one host -> device copy each, shared by every layer; no-ops on the CPU
-    padded, starts, ends = padded.to(md.device), starts.to(md.device), ends.to(md.device)
-    decode_rows = decode_rows.to(md.device)
+    # one host -> device copy for the four, shared by every layer; none on the CPU
+    padded, starts, ends, decode_rows = to_device([padded, starts, ends, decode_rows], md.device)
     return PagedPlan(
         size, decode_rows, all_decode, padded, starts, ends, fresh_starts, fresh_lengths, prefills
     )
 
 
-def _first_visible_block(position: int, window: int | None, block_size: int) -> int:
+def preset_decode_plan(
+    metadata: AttentionMetadata,
+    window: int | None,
+    *,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+) -> None:
+    """Give a step whose rows all decode, in order, its plan for ``window`` ready-made (CUDA
+    graphs: the tensors are views of static buffers the host filled before the replay).
+    ``tables`` [rows, max_blocks] int64 (rows may be strided, entries contiguous), ``starts`` /
+    ``ends`` [rows] int64 as in ``PagedPlan``."""
+    rows = torch.arange(tables.shape[0], device=tables.device)
+    plan = PagedPlan(metadata.block_size, rows, True, tables, starts, ends, [], [], [])
+    metadata.plans[_plan_key(window)] = plan
+
+
+def _plan_key(window: int | None) -> tuple[str, int | None]:
+    return ("paged", window)
+
+
+def first_visible_block(position: int, window: int | None, block_size: int) -> int:
     """The first block holding a key that a query at ``position`` (or later) can see."""
     if window is None:
         return 0

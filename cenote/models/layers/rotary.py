@@ -90,10 +90,21 @@ class RotaryEmbedding:
             inv_freq = _llama3_inv_freq(inv_freq, params, max_positions)
         self.inv_freq = inv_freq
         self.head_dim = head_dim
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # copies on other devices
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` on ``device``, copied there once (no copy per step; none inside a CUDA
+        graph's capture, where a host -> device copy is refused)."""
+        if device.type == "cpu":
+            return self.inv_freq
+        copy = self._inv_freq_on.get(device)
+        if copy is None:
+            copy = self._inv_freq_on[device] = self.inv_freq.to(device)
+        return copy
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [num_tokens]`` -> fp32 ``cos``, ``sin``, each ``[num_tokens, head_dim]``."""
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._inv_freq(positions.device)
         freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [num_tokens, head_dim / 2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
         return angles.cos(), angles.sin()
