@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,3 +149,50 @@ def test_unsupported_folders_are_refused_at_load(pylate, tmp_path: Path) -> None
     )
     with pytest.raises(ValueError, match=r"ColBERT token '\[X\] ' is not in the tokenizer"):
         LLM(str(unknown), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    """A ModernBERT PyLate folder behind ``cenote serve``, and its reference."""
+    from sentence_transformers import MultiVectorEncoder
+    from server_fixture import ServerProcess
+
+    folder = save_pylate(
+        tmp_path_factory.mktemp("served") / "model", "ModernBert", ADDED_MARKERS,
+        query_length=QUERY_LENGTH, document_length=DOCUMENT_LENGTH, dim=DIM,
+    )  # fmt: skip
+    server = ServerProcess(str(folder), "--dtype", "float32", "--num-threads", "1")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            yield client, MultiVectorEncoder(str(folder), device="cpu")
+    finally:
+        server.stop()
+
+
+def test_rerank_orders_by_maxsim(served) -> None:
+    client, reference = served
+    query = QUERIES[0]
+    expected = reference.similarity(
+        reference.encode_query([query]), reference.encode_document(DOCUMENTS)
+    )[0]
+    response = client.post("/rerank", json={"query": query, "documents": DOCUMENTS, "top_n": 3})
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert [r["index"] for r in results] == expected.argsort(descending=True)[:3].tolist()
+    for result in results:
+        assert result["relevance_score"] == pytest.approx(
+            expected[result["index"]].item(), abs=SCORE_ATOL
+        )
+
+
+def test_server_refuses_what_the_model_cannot_do(served) -> None:
+    """A one-vector embedding or a classification of a ColBERT model are clear 400s; the
+    engine serves on."""
+    client, _ = served
+    response = client.post("/v1/embeddings", json={"input": ["the cat"]})
+    assert response.status_code == 400, response.text
+    assert "embed" in response.json()["error"]["message"]
+    response = client.post("/pooling", json={"input": ["the cat"], "task": "classify"})
+    assert response.status_code == 400, response.text
+    assert "classify" in response.json()["error"]["message"]
+    assert client.post("/rerank", json={"query": "cat", "documents": ["a cat"]}).status_code == 200
