@@ -20,7 +20,7 @@ from factories.encoder_zoo import TEXTS
 from factories.pylate import ADDED_MARKERS, VOCAB_MARKERS, save_pylate
 
 from cenote import LLM, PoolingParams
-from cenote.errors import UnknownArchitectureError
+from cenote.errors import InvalidInputError, UnknownArchitectureError
 
 MIN_COSINE = 0.9999  # DESIGN.md §3: token vectors vs sentence-transformers, fp32
 SCORE_ATOL = 1e-5  # MaxSim scores vs sentence-transformers, fp32
@@ -93,7 +93,7 @@ def test_documents_match_multi_vector_encoder(pylate) -> None:
 def test_queries_match_multi_vector_encoder(pylate) -> None:
     _, llm, reference, expansion = pylate
     features = reference.encode_query(QUERIES, output_value=None)
-    outputs = _token_embed(llm, _queries(llm))
+    outputs = llm.encode(QUERIES, pooling_task="token_embed", role="query", use_tqdm=False)
     for out, expected in zip(outputs, features, strict=True):
         _check_rows(out.outputs.data, out.prompt_token_ids, expected)
     mask_id = reference.tokenizer.mask_token_id
@@ -196,3 +196,14 @@ def test_server_refuses_what_the_model_cannot_do(served) -> None:
     assert response.status_code == 400, response.text
     assert "classify" in response.json()["error"]["message"]
     assert client.post("/rerank", json={"query": "cat", "documents": ["a cat"]}).status_code == 200
+
+
+def test_role_is_refused_on_other_models(pylate, tmp_path: Path) -> None:
+    """Without its PyLate settings the folder is a plain encoder: it has no query format."""
+    plain = tmp_path / "plain"
+    shutil.copytree(pylate[0], plain)
+    (plain / "config_sentence_transformers.json").unlink()
+    (plain / "modules.json").unlink()
+    llm = LLM(str(plain), dtype="float32", num_threads=NUM_THREADS)
+    with pytest.raises(InvalidInputError, match="role applies to ColBERT models"):
+        llm.encode(["the cat"], pooling_task="token_embed", role="query", use_tqdm=False)
