@@ -14,7 +14,12 @@ import torch
 
 from cenote.lora.request import LoRARequest
 from cenote.models.hub_cache import ModelSource, locate_model
-from cenote.models.registry import ConvertOption, bge_m3_architecture, convert_architecture
+from cenote.models.registry import (
+    ConvertOption,
+    bge_m3_architecture,
+    convert_architecture,
+    pylate_architecture,
+)
 from cenote.models.st_config import SentenceTransformerConfig, load_st_config
 from cenote.platform import cuda_default_dtype
 
@@ -141,7 +146,7 @@ class ModelConfig:
         architectures = hf_config.get("architectures") or []
         if not architectures:
             raise ValueError(f"{path / 'config.json'} names no architecture")
-        architecture = bge_m3_architecture(path, architectures[0])
+        architecture = pylate_architecture(path, bge_m3_architecture(path, architectures[0]))
         converted = convert_architecture(architecture, convert)
         if converted != architectures[0]:  # kept in the config: what every reader sees
             hf_config["architectures"] = [converted]

@@ -33,6 +33,7 @@ from cenote.engine_args import EngineArgs, with_engine_args
 from cenote.errors import InvalidInputError, InvalidInputTypeError
 from cenote.inputs import ChatPrompt, PromptType
 from cenote.lora.request import LoRARequest
+from cenote.models.colbert import TextRole
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import (
     ClassificationOutput,
@@ -191,10 +192,22 @@ class LLM:
         pooling_params: PoolingParamsArg = None,
         *,
         pooling_task: PoolingTask = "embed",
+        role: TextRole | None = None,
         **options: Unpack[PoolOptions],
     ) -> list[PoolingRequestOutput[PoolingOutput]]:
-        """The raw pooler output of ``pooling_task`` per prompt (``outputs.data``)."""
-        return self._pool(PoolingOutput, pooling_task, prompts, pooling_params, **options)
+        """The raw pooler output of ``pooling_task`` per prompt (``outputs.data``). ``role``
+        (ColBERT models: colbert-ai and PyLate folders): texts are formatted as a "query"
+        (query marker, [MASK] expansion to the query length) or a "document" (the default:
+        document marker, cut to the document length), as PyLate's ``encode(is_query=...)``."""
+        if role is not None and self.input_processor.prompts.colbert is None:
+            raise InvalidInputError(
+                f"role applies to ColBERT models; {self.config.model.served_model_name} "
+                "formats every text alike"
+            )
+        return self._pool(
+            PoolingOutput, pooling_task, prompts, pooling_params, role=role or "document",
+            **options,
+        )  # fmt: skip
 
     def classify(
         self,
@@ -268,9 +281,11 @@ class LLM:
         prompt_name: str | None = None,
         prompt: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        role: TextRole = "document",
     ) -> list[PoolingRequestOutput[_Output]]:
         """Run ``task`` on every prompt (its outputs are ``kind``); ``truncate_prompt_tokens``,
-        ``max_active_dims`` and the instruction prompt, when given, override the params'."""
+        ``max_active_dims`` and the instruction prompt, when given, override the params';
+        ``role``: how a ColBERT model formats texts."""
         prompt_list = _as_list(prompts)
         if not prompt_list:
             return []
@@ -291,7 +306,7 @@ class LLM:
             max_active_dims=max_active_dims,
         )
         results = outputs_of(
-            PoolingRequestOutput, self._run(prompt_list, params, use_tqdm, lora_request)
+            PoolingRequestOutput, self._run(prompt_list, params, use_tqdm, lora_request, role)
         )
         assert all(isinstance(out.outputs, kind) for out in results), f"{task} outputs a {kind}"
         return results
@@ -398,13 +413,14 @@ class LLM:
         params: Sequence[Params],
         use_tqdm: bool,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        role: TextRole = "document",
     ) -> list[UserOutput]:
         """Process ``prompts`` (every one valid, or nothing runs) and run them to the end."""
         ids = [self._next_id() for _ in prompts]
         if not _made_beside_steps(self.config.model.device, len(prompts)):
             with old_objects_set_aside():
                 requests = self.input_processor.process_batch(
-                    ids, prompts, params, lora_request=lora_request
+                    ids, prompts, params, lora_request=lora_request, role=role
                 )
             return self.client.run(requests, use_tqdm)
         params_list = per_prompt(params, len(prompts))
@@ -421,6 +437,7 @@ class LLM:
                 params_list[start:end],
                 lora_request=adapters[start:end],
                 indices=range(start, min(end, len(prompts))),
+                role=role,
             )
 
         parts = [part(start) for start in range(0, len(prompts), _INPUT_PART)]

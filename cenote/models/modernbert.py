@@ -120,6 +120,20 @@ def window_mask_fn(half_window: int) -> EncoderMaskFn:
     return mask_fn
 
 
+def both_masks(first: EncoderMaskFn, second: EncoderMaskFn | None) -> EncoderMaskFn:
+    """Boolean masks of ``first`` and ``second`` together: a key is seen when both let it."""
+    if second is None:
+        return first
+
+    def mask_fn(rows: slice, num_requests: int, length: int) -> torch.Tensor | None:
+        a, b = first(rows, num_requests, length), second(rows, num_requests, length)
+        if a is None or b is None:
+            return b if a is None else a
+        return a & b  # broadcast: [requests or 1, 1, length or 1, length]
+
+    return mask_fn
+
+
 # checkpoint name (after the layer index) -> ours, where they differ
 _LAYER_NAMES = {"attn.Wqkv": "Wqkv", "attn.Wo": "Wo", "mlp.Wi": "Wi", "mlp.Wo": "mlp_out"}
 
@@ -156,10 +170,22 @@ class ModernBertModel(nn.Module):
         # token_type_ids unused: ModernBERT has no token types
         x = self.embedding_norm(self.tok_embeddings(input_ids))
         tables = {kind: rotary.cos_sin(positions) for kind, rotary in self.rotary.items()}
-        window = window_mask_fn(self.half_window)
+        masks = self._mask_fn(input_ids, positions)
+        window = both_masks(window_mask_fn(self.half_window), masks)
         for layer, kind in zip(self.layers, self.layer_kinds, strict=True):
-            x = layer(x, tables[kind], window if layer.sliding else None)
-        return self.final_norm(x)  # [num_tokens, hidden]
+            x = layer(x, tables[kind], window if layer.sliding else masks)
+        return self._output(self.final_norm(x), input_ids, positions)  # [num_tokens, hidden]
+
+    def _mask_fn(self, input_ids: torch.Tensor, positions: torch.Tensor) -> EncoderMaskFn | None:
+        """What every layer's attention masks in this step besides the local window (None:
+        nothing)."""
+        return None
+
+    def _output(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The trunk's output from the final norm's (ModernBERT: those)."""
+        return hidden
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_by_name(self, weights, self._map_name)

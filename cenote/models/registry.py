@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from cenote.errors import UnknownArchitectureError
+from cenote.models.st_config import is_pylate_folder
 from cenote.tasks import SupportedTask
 
 if TYPE_CHECKING:
@@ -91,7 +92,12 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
         "BgeM3EmbeddingModel": ("bge_m3", "BgeM3Model"),
     },
     # colbert-ai checkpoints: BERT + linear, token vectors for late interaction (MaxSim)
-    (False, ("token_embed",)): {"HF_ColBERT": ("colbert", "HFColBERT")},
+    (False, ("token_embed",)): {
+        "HF_ColBERT": ("colbert", "HFColBERT"),
+        # PyLate / MultiVectorEncoder folders: a trunk + Dense (pylate_architecture)
+        "PyLateBertModel": ("pylate", "PyLateBertModel"),
+        "PyLateModernBertModel": ("pylate", "PyLateModernBertModel"),
+    },
     (True, _DECODER_TASKS): {
         "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
         "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -145,6 +151,22 @@ def bge_m3_architecture(folder: Path, architecture: str) -> str:
     if (folder / SPARSE_HEAD_FILE).is_file() and (folder / COLBERT_HEAD_FILE).is_file():
         return BGE_M3_ARCHITECTURE
     return architecture
+
+
+PYLATE_TRUNKS = {"BertModel": "PyLateBertModel", "ModernBertModel": "PyLateModernBertModel"}
+
+
+def pylate_architecture(folder: Path, architecture: str) -> str:
+    """``PyLate<Trunk>`` for a PyLate ColBERT folder (``is_pylate_folder``), else
+    ``architecture`` unchanged; a PyLate folder over another trunk is refused."""
+    if not folder.is_dir() or not is_pylate_folder(folder):
+        return architecture
+    if architecture not in PYLATE_TRUNKS:
+        raise UnknownArchitectureError(
+            f"{folder} is a PyLate ColBERT folder over {architecture!r}; supported trunks: "
+            f"{', '.join(PYLATE_TRUNKS)}"
+        )
+    return PYLATE_TRUNKS[architecture]
 
 
 ConvertOption = Literal["auto", "embed", "classify"]

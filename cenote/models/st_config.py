@@ -122,6 +122,17 @@ def _splade_pooling(config: dict[str, Any], where: Path) -> SparsePoolingConfig:
     return SparsePoolingConfig(strategy, activation)
 
 
+def is_pylate_folder(model_dir: Path) -> bool:
+    """A sentence-transformers folder PyLate saved for ColBERT: its
+    config_sentence_transformers.json carries PyLate's ``query_prefix`` / ``document_prefix``
+    or ``model_type: ColBERT`` (what sentence-transformers' ``MultiVectorEncoder`` reads)."""
+    path = model_dir / "config_sentence_transformers.json"
+    if not (model_dir / "modules.json").exists() or not path.exists():
+        return False
+    config = _read_json(path)
+    return config.get("model_type") == "ColBERT" or "query_prefix" in config
+
+
 def load_st_config(model_dir: Path) -> SentenceTransformerConfig | None:
     """Parse modules.json and friends; None when the folder is not a sentence-transformers model."""
     modules_path = model_dir / "modules.json"
@@ -151,7 +162,8 @@ def load_st_config(model_dir: Path) -> SentenceTransformerConfig | None:
         st_config = _read_json(model_dir / "config_sentence_transformers.json")
     return SentenceTransformerConfig(
         pooling=pooling,
-        normalize=normalize,
+        # PyLate normalizes token vectors without listing a Normalize module
+        normalize=normalize or is_pylate_folder(model_dir),
         dense_layers=tuple(dense),
         max_seq_length=_max_seq_length(model_dir, bert_config),
         do_lower_case=bool(bert_config.get("do_lower_case", False)),
