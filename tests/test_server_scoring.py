@@ -149,6 +149,8 @@ def test_classify_matches_offline(cross, cross_llm) -> None:
         ("/score", {"text_1": "a", "text_2": []}, "at least one text in text_2"),
         ("/rerank", {"query": "a", "documents": []}, "at least one document, got 0"),
         ("/v2/rerank", {"query": "a", "documents": []}, "at least one document, got 0"),
+        ("/rerank", {"query": "", "documents": ["b"]}, "query is empty (0 characters"),
+        ("/v2/rerank", {"query": "  ", "documents": ["b"]}, "query is empty (2 characters"),
         ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
         ("/score", {"text_1": "cat dog", "text_2": "yes", "truncate_prompt_tokens": 4},
          "the query has 2 tokens"),

@@ -267,6 +267,12 @@ def test_rerank_truncate_fits_long_texts(cross) -> None:
     assert sorted(r["index"] for r in ranks) == [0, 1]
 
 
+def test_rerank_with_an_empty_query_is_refused(cross) -> None:
+    body = {"query": "", "texts": ["a cat sat"]}
+    _tei_error(cross.post("/rerank", json=body), 422, "Validation", "query is empty")
+    assert _ok(cross.post("/rerank", json={**body, "query": "the cat"}))
+
+
 def test_rerank_on_an_embedding_model_scores_by_cosine(minilm, st_model) -> None:
     from sentence_transformers.util import cos_sim
 

@@ -289,6 +289,16 @@ class ScoreRequest(_ScoringBody):
         return getattr(self, first), getattr(self, second)
 
 
+def check_query(query: str) -> None:
+    """A rerank query with text in it: an empty one scores every document against nothing."""
+    if not query.strip():
+        raise InvalidInputError(
+            f"query is empty ({len(query)} characters, none but whitespace): rerank needs a "
+            "query text",
+            param="query",
+        )
+
+
 class RerankDocument(BaseModel):
     model_config = ConfigDict(strict=True)  # other fields of a document object are ignored
 
@@ -322,7 +332,8 @@ class RerankRequest(_ScoringBody):
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
     def texts(self) -> tuple[str, list[str]]:
-        """The query and the document texts (at least one)."""
+        """The query (not empty) and the document texts (at least one)."""
+        check_query(self.query)
         if not self.documents:
             raise InvalidInputError("rerank needs at least one document, got 0", param="documents")
         if self.top_n is not None and self.top_n < 0:

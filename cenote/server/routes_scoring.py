@@ -17,7 +17,13 @@ from cenote.outputs import PoolingRequestOutput
 from cenote.server import timing
 from cenote.server.body import JSONRoute, answer_tei
 from cenote.server.errors import EmptyBatch, WrongModelType
-from cenote.server.protocol import ClassificationRequest, RerankRequest, ScoreRequest, _ScoringBody
+from cenote.server.protocol import (
+    ClassificationRequest,
+    RerankRequest,
+    ScoreRequest,
+    _ScoringBody,
+    check_query,
+)
 from cenote.server.responses import (
     ClassificationResponse,
     RerankResponse,
@@ -142,6 +148,7 @@ async def tei_rerank(body: TEIRerankRequest, raw_request: Request) -> Response:
     state = get_state(raw_request, task=SCORE_TASK)
     if not body.texts:
         raise EmptyBatch("`texts` cannot be empty: send at least one text")
+    check_query(body.query)
     capabilities = state.client.capabilities
     if capabilities is None or capabilities.score_type is None:
         raise WrongModelType(
