@@ -279,3 +279,24 @@ def test_the_cpu_engine_captures_nothing(tmp_path: Path) -> None:
     llm = make_llm(tmp_path, device="cpu")
     assert llm.config.cuda_graphs is False and llm.engine.runner.decode_graphs is None
     assert llm.engine.runner.kv_caches[0].shape[2] == llm.engine.kv_cache_manager.num_blocks
+
+
+def test_a_failed_capture_leaves_the_engine_eager_and_serving(tmp_path: Path, monkeypatch, caplog):
+    """A capture that raises (an op that cannot be captured, the graphs' memory) is a warning
+    naming the cause, and every step runs eagerly: the same tokens as enforce_eager."""
+    make_decoder(tmp_path, "llama")
+    prompts = random_prompts([2, 5], seed=4)
+    eager = make_llm(tmp_path, device="cpu", block_size=4, enforce_eager=True)
+    expected = _generate(eager, prompts)
+    del eager
+
+    def fails(self) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr("cenote.engine_args.uses_cuda_graphs", lambda device, eager: not eager)
+    monkeypatch.setattr("cenote.runner.decode_graphs.DecodeGraphs.capture", fails)
+    with caplog.at_level("WARNING", logger="cenote.runner.model_runner"):
+        llm = make_llm(tmp_path, device="cpu", block_size=4, num_gpu_blocks_override=80)
+    assert llm.engine.runner.decode_graphs is None
+    assert "CUDA graph capture failed (RuntimeError: operation not permitted" in caplog.text
+    assert _generate(llm, prompts) == expected

@@ -99,9 +99,22 @@ class ModelRunner:
         )
 
     def capture_decode_graphs(self) -> None:
-        """Capture the all-decode graphs (CUDA; nothing with --enforce-eager or on the CPU)."""
-        if self.decode_graphs is not None:
+        """Capture the all-decode graphs (CUDA; nothing with --enforce-eager or on the CPU).
+        A capture that fails (an op of the model that cannot be captured, the graphs' memory)
+        leaves the engine eager, with a warning naming the cause, instead of refusing to
+        start: graphs are an optimization, and every step also has its eager path."""
+        if self.decode_graphs is None:
+            return
+        try:
             self.decode_graphs.capture()
+        except Exception as e:
+            logger.warning(
+                "CUDA graph capture failed (%s: %s): every step runs eagerly; "
+                "--enforce-eager skips the attempt",
+                type(e).__name__,
+                e,
+            )
+            self.decode_graphs = None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
