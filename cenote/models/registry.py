@@ -90,6 +90,15 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
     (False, ("embed", "embed_sparse", "token_embed")): {
         "BgeM3EmbeddingModel": ("bge_m3", "BgeM3Model"),
     },
+    # two towers (or one) projecting texts and images into one space; images are prompts
+    (False, ("embed",)): {
+        "CLIPModel": ("clip", "ClipModel"),
+        "CLIPTextModelWithProjection": ("clip", "ClipModel"),
+        "CLIPVisionModelWithProjection": ("clip", "ClipModel"),
+        "SiglipModel": ("siglip", "SiglipModel"),
+        "SiglipTextModel": ("siglip", "SiglipModel"),
+        "SiglipVisionModel": ("siglip", "SiglipModel"),
+    },
     # colbert-ai checkpoints: BERT + linear, token vectors for late interaction (MaxSim)
     (False, ("token_embed",)): {"HF_ColBERT": ("colbert", "HFColBERT")},
     (True, _DECODER_TASKS): {
