@@ -163,14 +163,17 @@ def test_offline_bad_images(family, tmp_path: Path) -> None:
     assert len(_embed(llm, [{"image": make_image(30, 30)}, "cat"])) == 2
 
 
-def test_text_only_folder(tmp_path: Path) -> None:
-    """``CLIPTextModelWithProjection``: texts as ``CLIPModel.get_text_features``; an image is a
-    clear error naming the missing tower."""
-    hf = make_clip(tmp_path, "CLIPTextModelWithProjection")
+@pytest.mark.parametrize("kind", ["CLIPTextModelWithProjection", "SiglipTextModel"])
+def test_text_only_folder(tmp_path: Path, kind: str) -> None:
+    """The text tower alone: texts as transformers embeds them (``text_embeds``, SigLIP's
+    ``pooler_output``); an image is a clear error naming the missing tower."""
+    hf = make_clip(tmp_path, kind) if kind.startswith("CLIP") else make_siglip(tmp_path, kind)
     llm = LLM(str(tmp_path), dtype="float32", num_threads=NUM_THREADS)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     with torch.no_grad():
-        reference = torch.cat([hf(**tokenizer(t, return_tensors="pt")).text_embeds for t in TEXTS])
+        outputs = [hf(**tokenizer(t, return_tensors="pt")) for t in TEXTS]
+    field = "text_embeds" if kind.startswith("CLIP") else "pooler_output"
+    reference = torch.cat([getattr(o, field) for o in outputs])
     cosine = F.cosine_similarity(_embed(llm, TEXTS), reference, dim=-1)
     assert cosine.min() >= MIN_COSINE_FP32
     with pytest.raises(InvalidInputError, match="no vision tower"):

@@ -354,7 +354,14 @@ class ClipModel(nn.Module):
         return next(self.parameters()).dtype
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        if self.vision_model is None:  # transformers 5 saves SiglipTextModel without the prefix
+            weights = ((_text_tower_name(name), tensor) for name, tensor in weights)
         return self.checkpoint_map.load(self, weights)
 
     def required_parameters(self) -> set[str]:
         return self.checkpoint_map.required()
+
+
+def _text_tower_name(name: str) -> str:
+    """A one-tower text checkpoint's tensor name under ``text_model.`` (the projection aside)."""
+    return name if name.startswith(("text_model.", "text_projection.")) else "text_model." + name

@@ -66,14 +66,18 @@ def make_clip(folder: Path, kind: str = "CLIPModel", seed: int = 0) -> torch.nn.
     return model
 
 
-def make_siglip(folder: Path, seed: int = 0) -> torch.nn.Module:
-    """A seeded ``SiglipModel`` folder (no class token, attention-pooling head)."""
+def make_siglip(folder: Path, kind: str = "SiglipModel", seed: int = 0) -> torch.nn.Module:
+    """A seeded ``SiglipModel`` (no class token, attention-pooling head) or ``SiglipTextModel``
+    folder; returns the model."""
     text = dict(TEXT, bos_token_id=0, eos_token_id=1, pad_token_id=2, projection_size=48)
     text["hidden_act"] = vision_act = "gelu_pytorch_tanh"
     vision = dict(VISION, hidden_act=vision_act)
     torch.manual_seed(seed)
-    config = transformers.SiglipConfig(text_config=text, vision_config=vision)
-    model = perturb(transformers.SiglipModel(config))
+    if kind == "SiglipModel":
+        config = transformers.SiglipConfig(text_config=text, vision_config=vision)
+    else:
+        config = transformers.SiglipTextConfig(**text)
+    model = perturb(getattr(transformers, kind)(config))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     _tokenizer(folder, TEXT["vocab_size"])
