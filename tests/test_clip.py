@@ -1,6 +1,7 @@
 """CLIP and SigLIP (two towers, one space) vs transformers, tiny random models, fp32: the image
 preprocessing vs transformers' PIL image processors, each tower's hidden states, text and image
-embeddings vs ``get_text_features`` / ``get_image_features``, batch invariance, score, and the
+embeddings vs ``get_text_features`` / ``get_image_features`` and sentence-transformers, batch
+invariance, score, and the
 served shape (vLLM's ``messages`` with ``image_url`` parts) with its bad inputs."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import NUM_THREADS
-from factories.vision import IMAGE_SIZE, make_clip, make_image, make_siglip, png_bytes
+from factories.vision import IMAGE_SIZE, TEXT, make_clip, make_image, make_siglip, png_bytes
 
 from cenote import LLM
 from cenote.config import ModelConfig
@@ -54,6 +55,17 @@ def family(request, tmp_path_factory: pytest.TempPathFactory):
 def _hf_pixels(name: str, folder: Path, images: list) -> torch.Tensor:
     processor = PROCESSORS[name].from_pretrained(folder)
     return processor(images=images, return_tensors="pt")["pixel_values"]
+
+
+def _text_ids(name: str, tokenizer, text: str) -> torch.Tensor:
+    """A text's ids as its model card feeds them: SigLIP's padded to the position limit (its
+    ``padding="max_length"``, no attention mask), CLIP's as they are."""
+    if name == "siglip":
+        length = TEXT["max_position_embeddings"]
+        return tokenizer(text, padding="max_length", max_length=length, return_tensors="pt")[
+            "input_ids"
+        ]
+    return tokenizer(text, return_tensors="pt")["input_ids"]
 
 
 def _embed(llm: LLM, prompts: list) -> torch.Tensor:
@@ -113,7 +125,10 @@ def test_embeddings_match_transformers(family) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     with torch.no_grad():
         text_reference = torch.cat(
-            [hf.get_text_features(**tokenizer(t, return_tensors="pt")).pooler_output for t in TEXTS]
+            [
+                hf.get_text_features(input_ids=_text_ids(name, tokenizer, t)).pooler_output
+                for t in TEXTS
+            ]
         )
         pixels = _hf_pixels(name, folder, images)
         image_reference = hf.get_image_features(pixel_values=pixels).pooler_output
@@ -121,6 +136,28 @@ def test_embeddings_match_transformers(family) -> None:
     cosine = F.cosine_similarity(ours, reference, dim=-1)
     assert cosine.min() >= MIN_COSINE_FP32, cosine
     torch.testing.assert_close(ours, F.normalize(reference, dim=-1), atol=1e-5, rtol=0)
+
+
+def test_embeddings_match_sentence_transformers(family) -> None:
+    """sentence-transformers 6 loads the same folder (its ``Transformer`` module calls the
+    towers' feature methods; one call per modality) and agrees. SigLIP's texts are left out:
+    sentence-transformers pads a batch to its longest text, so a text's embedding depends on its
+    batch (SigLIP pools the last position, with no attention mask)."""
+    from sentence_transformers import SentenceTransformer
+
+    name, folder, _, llm = family
+    st = SentenceTransformer(str(folder), device="cpu")
+    images = _images()[:3]
+    texts = TEXTS if name == "clip" else []
+    reference = torch.cat(
+        [
+            *([st.encode(texts, convert_to_tensor=True)] if texts else []),
+            st.encode(images, convert_to_tensor=True),
+        ]
+    ).float()
+    ours = _embed(llm, [*texts, *({"image": image} for image in images)])
+    cosine = F.cosine_similarity(ours, reference, dim=-1)
+    assert cosine.min() >= MIN_COSINE_FP32, cosine
 
 
 def test_batch_invariance(family) -> None:
@@ -171,8 +208,9 @@ def test_text_only_folder(tmp_path: Path, kind: str) -> None:
     llm = LLM(str(tmp_path), dtype="float32", num_threads=NUM_THREADS)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     with torch.no_grad():
-        outputs = [hf(**tokenizer(t, return_tensors="pt")) for t in TEXTS]
-    field = "text_embeds" if kind.startswith("CLIP") else "pooler_output"
+        name = "clip" if kind.startswith("CLIP") else "siglip"
+        outputs = [hf(input_ids=_text_ids(name, tokenizer, t)) for t in TEXTS]
+    field = "text_embeds" if name == "clip" else "pooler_output"
     reference = torch.cat([getattr(o, field) for o in outputs])
     cosine = F.cosine_similarity(_embed(llm, TEXTS), reference, dim=-1)
     assert cosine.min() >= MIN_COSINE_FP32

@@ -86,7 +86,9 @@ class TextTower(nn.Module):
     request (CLIP: the first EOS, or the largest id when ``eos_token_id`` is 2, as transformers'
     legacy configs; SigLIP: the last row)."""
 
-    def __init__(self, config: dict[str, Any], causal: bool, pool_last: bool) -> None:
+    def __init__(
+        self, config: dict[str, Any], causal: bool, pool_last: bool, pad: bool = False
+    ) -> None:
         super().__init__()
         hidden = config["hidden_size"]
         self.hidden_size = hidden
@@ -99,6 +101,9 @@ class TextTower(nn.Module):
         self.final_layer_norm = LayerNorm(hidden, eps=config.get("layer_norm_eps", 1e-5))
         self.eos_token_id = config.get("eos_token_id", 2)
         self.pool_last = pool_last
+        # SigLIP: texts are padded to the position limit (no attention mask), as it was trained
+        self.pad_to = self.max_position if pad else None
+        self.pad_token_id = int(config.get("pad_token_id", 1))
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """Rows of the text requests in the forward context -> last hidden states
@@ -328,20 +333,24 @@ class ClipModel(nn.Module):
     def _embed_texts(
         self, input_ids: Tensor, positions: Tensor, starts: list[int], texts: list[int]
     ) -> Tensor:
-        assert self.text_model is not None
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in texts])
+        tower = self.text_model
+        assert tower is not None
+        device = input_ids.device
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in texts]).to(device)
+        ids, text_positions = input_ids[rows], positions[rows]
         lens = [starts[i + 1] - starts[i] for i in texts]
+        if tower.pad_to is not None:  # SigLIP: every text padded to the length it was trained on
+            ids, text_positions = _pad_texts(ids, lens, tower.pad_to, tower.pad_token_id)
+            lens = [tower.pad_to] * len(texts)
         query_start_loc = [0]
         for length in lens:
             query_start_loc.append(query_start_loc[-1] + length)
         metadata = AttentionMetadata(
-            query_start_loc=query_start_loc, seq_lens=lens, causal=False, device=input_ids.device
+            query_start_loc=query_start_loc, seq_lens=lens, causal=False, device=device
         )
-        rows = rows.to(input_ids.device)
-        ids = input_ids[rows]
         with forward_context(metadata):
-            hidden = self.text_model(ids, positions[rows])
-        pooled = self.text_model.pooled_rows(ids.tolist(), query_start_loc)
+            hidden = tower(ids, text_positions)
+        pooled = tower.pooled_rows(ids.tolist(), query_start_loc)
         return self.text_embeddings(hidden, pooled)  # [num_texts, embed_dim]
 
     def vision_model_or_raise(self) -> VisionTower:
@@ -365,3 +374,12 @@ class ClipModel(nn.Module):
 def _text_tower_name(name: str) -> str:
     """A one-tower text checkpoint's tensor name under ``text_model.`` (the projection aside)."""
     return name if name.startswith(("text_model.", "text_projection.")) else "text_model." + name
+
+
+def _pad_texts(ids: Tensor, lens: list[int], pad_to: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Each text's ids followed by ``pad_id`` up to ``pad_to`` tokens, and their positions."""
+    padded = torch.full((len(lens), pad_to), pad_id, dtype=ids.dtype, device=ids.device)
+    for i, text in enumerate(torch.split(ids, lens)):
+        padded[i, : len(text)] = text
+    positions = torch.arange(pad_to, device=ids.device).repeat(len(lens))
+    return padded.view(-1), positions
