@@ -10,7 +10,8 @@ log buckets) and gte-base-en-v1.5 (12 layers x 768, rotary, gated MLP; transform
 all-MiniLM-L6-v2's WordPiece tokenizer (token counts are what matter here); both engines embed
 the same corpus (embed_offline's prose) with the same thread count, in fp32 and bf16. Prints the
 CPU, tokens/s, the cenote / sentence-transformers ratio per dtype and the min cosine between the
-two.
+two. ``--clip-images N`` adds a full-size CLIP ViT-B/32 (``clip_images.py``): images/s vs
+transformers, preprocessing included.
 
     flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/embed_architectures.py --num-texts 100
 """
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from clip_images import bench_clip  # noqa: E402
 from corpus_embed import cpu_description  # noqa: E402
 from embed_offline import make_corpus, run_cenote, run_st  # noqa: E402
 
@@ -136,6 +138,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers batch")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--clip-images", type=int, default=0, help="images for CLIP (0: none)")
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -151,7 +154,10 @@ def main() -> None:
     )
     rows = [header, "-" * len(header)]
     with tempfile.TemporaryDirectory(prefix="cenote-arch-bench-") as tmp:
-        for name in args.architectures.split(","):
+        if args.clip_images:
+            dtypes = args.dtypes.split(",")
+            rows += bench_clip(Path(tmp), args.clip_images, args.threads, dtypes, args.batch_size)
+        for name in filter(None, args.architectures.split(",")):
             folder = build_folder(name, Path(tmp))
             st = SentenceTransformer(str(folder), device="cpu").eval()
             num_tokens = int(st.preprocess(texts)["attention_mask"].sum())

@@ -179,7 +179,7 @@ class ModelConfig:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
+        return int(text_config(self.hf_config)["vocab_size"])
 
     @property
     def is_matryoshka(self) -> bool:
@@ -216,8 +216,15 @@ def _read_hf_config(path: Path, gguf: GGUFCheckpoint | None) -> dict[str, Any]:
     return config
 
 
+def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The config of the model's text: a two-tower model's (CLIP, SigLIP) ``text_config``, else
+    the whole config."""
+    nested = hf_config.get("text_config")
+    return nested if isinstance(nested, dict) else hf_config
+
+
 def _model_len_limit(hf_config: dict[str, Any], st_config: SentenceTransformerConfig | None) -> int:
-    limit = int(hf_config.get("max_position_embeddings", 2048))
+    limit = int(text_config(hf_config).get("max_position_embeddings", 2048))
     if hf_config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "mpnet"):
         limit -= int(hf_config.get("pad_token_id", 1)) + 1  # positions start after padding_idx
     if st_config is not None and st_config.max_seq_length:

@@ -38,4 +38,11 @@ class PairPrompt(TypedDict):
     text_pair: str
 
 
-PromptType = str | TextPrompt | TokensPrompt | ChatPrompt | PairPrompt
+class ImagePrompt(TypedDict):
+    """An image for a model with a vision tower (CLIP, SigLIP): a ``PIL.Image.Image``, a local
+    path (offline) or a URL string (``data:``; ``file://`` and http(s) as the server allows)."""
+
+    image: Any
+
+
+PromptType = str | TextPrompt | TokensPrompt | ChatPrompt | PairPrompt | ImagePrompt

@@ -45,6 +45,7 @@ REQUEST_VARIANTS = {
     "token_type_ids": [0, 0, 1],
     "pooling_params": PoolingParams(task="embed", normalize=False),
     "lora_request": LoRARequest("sql", 1, "/adapters/sql"),
+    "pixel_values": torch.zeros(3, 2, 2),  # an image prompt: keyed by its pixels' bytes
 }
 
 
@@ -95,6 +96,9 @@ def test_every_engine_request_field_is_keyed_or_declared_neutral() -> None:
     for name, value in REQUEST_VARIANTS.items():
         changed = dataclasses.replace(base, **{name: value})
         assert cache_key("m", changed) != cache_key("m", base), name
+    image = dataclasses.replace(base, pixel_values=torch.zeros(3, 2, 2))
+    same_pixels = dataclasses.replace(base, pixel_values=torch.zeros(3, 2, 2))
+    assert cache_key("m", image) == cache_key("m", same_pixels)
     neutral = dataclasses.replace(base, request_id="b", priority=4, eos_token_id=2)
     assert cache_key("m", neutral) == cache_key("m", base)
     assert cache_key("other-model", base) != cache_key("m", base)

@@ -26,3 +26,5 @@ class ModelCapabilities:
     # None: embeddings of this model cannot be joined (no embed task, ColBERT, sparse)
     chunkable_pooling: Literal["cls", "mean", "last"] | None = None
     normalizes_embeddings: bool = True  # embed's default normalize
+    num_image_tokens: int | None = None  # rows an image prompt takes; None: no images
+    image_size: int | None = None  # the vision tower's square (preprocessing default)

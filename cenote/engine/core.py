@@ -26,7 +26,7 @@ from cenote.messages import (
     RequestError,
     SchedulerStats,
 )
-from cenote.models.interfaces import DecoderModel, Model
+from cenote.models.interfaces import DecoderModel, ImageTextModel, Model
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 from cenote.models.registry import get_entry
@@ -99,7 +99,7 @@ class EngineCore:
     def _capabilities(
         self, tasks: tuple[SupportedTask, ...], pooler: DispatchPooler | None
     ) -> ModelCapabilities:
-        model_config = self.config.model
+        model_config, model = self.config.model, self.model
         num_labels = pooler.num_labels if pooler is not None else None
         embedder = pooler.embedding_pooler if pooler is not None else None
         return ModelCapabilities(
@@ -113,6 +113,8 @@ class EngineCore:
             uses_token_type_ids=int(model_config.hf_config.get("type_vocab_size", 0)) > 1,
             chunkable_pooling=embedder.chunkable_method if embedder is not None else None,
             normalizes_embeddings=embedder.head.default_normalize if embedder else True,
+            num_image_tokens=model.num_image_tokens if isinstance(model, ImageTextModel) else None,
+            image_size=model.image_size if isinstance(model, ImageTextModel) else None,
         )
 
     def _make_kv_cache(self) -> tuple[KVCacheManager, list[torch.Tensor]]:
@@ -165,6 +167,7 @@ class EngineCore:
             arrival_time=request.arrival_time,
             priority=request.priority,
             lora_request=request.lora_request,
+            pixel_values=request.pixel_values,
         )
         if request.request_id in self._compiling:  # the scheduler checks its own requests
             raise ValueError(f"request id {request.request_id!r} is already in the engine")

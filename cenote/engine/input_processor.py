@@ -18,6 +18,8 @@ from cenote.engine.chunking import ChunkPlan, split_windows
 from cenote.engine.params_validator import Params, ParamsValidator
 from cenote.engine.prompt_tokenizer import PromptTokenizer, TokenizedPrompt
 from cenote.errors import InvalidInputError, InvalidInputTypeError
+from cenote.images.processor import ImageProcessor
+from cenote.images.sources import MediaPolicy, open_image
 from cenote.inputs import PromptType
 from cenote.lora.request import LoRARequest
 from cenote.messages import EngineCoreRequest
@@ -62,6 +64,7 @@ class InputProcessor:
         capabilities: ModelCapabilities,
         chat_template: str | None = None,  # None: the model's own
         max_input_chars: int | None = None,  # longer texts (chats once rendered) are refused
+        media_policy: MediaPolicy | None = None,  # how images may arrive (None: the defaults)
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -71,6 +74,8 @@ class InputProcessor:
         self.chat_template = chat_template or load_chat_template(model_config)
         self.max_input_chars = max_input_chars
         self._template_tokens = special_token_variables(tokenizer, model_config.hf_config)
+        self.media_policy = media_policy or MediaPolicy()
+        self._image_processor: ImageProcessor | None = None  # read at the first image
 
     @property
     def instruction_length(self) -> int:
@@ -135,6 +140,8 @@ class InputProcessor:
         # max_tokens fit the context
         windows: dict[int, tuple[PoolingParams, list[list[int]]]] = {}
         for i, (tok, p) in enumerate(zip(tokenized, params_list, strict=True)):
+            if tok.pixel_values is not None:
+                continue  # an image's length is the vision tower's, whatever the text limit
             if isinstance(p, PoolingParams) and p.long_input == "chunk":
                 if len(tok.prompt_token_ids) > self.model_config.max_model_len:
                     windows[i] = (p, self._windows(tok, p, indices[i]))
@@ -236,6 +243,9 @@ class InputProcessor:
             prompt: Any = typed_prompt  # the caller's input, checked here whatever its type
             max_length = self.validator.truncation_length(params.truncate_prompt_tokens)
             side = params.truncation_side
+            if isinstance(prompt, dict) and "image" in prompt:
+                results[i] = self._image(prompt["image"], params, indices[i], label)
+                continue
             if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
                 ids = self._check_token_ids(prompt["prompt_token_ids"], indices[i])
                 truncated = max_length is not None and len(ids) > max_length
@@ -259,6 +269,28 @@ class InputProcessor:
             for (i, _), tok in zip(items, batch, strict=True):
                 results[i] = tok
         return results  # type: ignore[return-value]
+
+    def _image(self, source: Any, params: Params, index: int, label: str) -> TokenizedPrompt:
+        """An image prompt: decoded under the media policy, preprocessed as the folder says,
+        with one placeholder token id per image token."""
+        where = f"{label} {index}"
+        num_tokens, size = self.capabilities.num_image_tokens, self.capabilities.image_size
+        if num_tokens is None or size is None:
+            raise InvalidInputError(f"{where} is an image, but this model has no vision tower")
+        if not isinstance(params, PoolingParams) or params.task != "embed":
+            task = params.task if isinstance(params, PoolingParams) else "generate"
+            raise InvalidInputError(f"{where} is an image; images are embedded only, not {task}")
+        image = open_image(source, self.media_policy, where)
+        if self._image_processor is None:
+            self._image_processor = ImageProcessor.from_folder(self.model_config.path, size)
+        pixels = self._image_processor(image)  # [3, size, size]
+        if tuple(pixels.shape[1:]) != (size, size):
+            raise InvalidInputError(
+                f"{where}: preprocessing gave {tuple(pixels.shape[1:])} pixels, the vision "
+                f"tower takes ({size}, {size}); check {self.model_config.path}'s "
+                "preprocessor_config.json"
+            )
+        return TokenizedPrompt(None, [0] * num_tokens, pixel_values=pixels)
 
     def _text_of(
         self, prompt: Any, index: int, label: str, add_special_tokens: bool | None
@@ -422,6 +454,7 @@ class InputProcessor:
             token_type_ids=prompt.token_type_ids,
             eos_token_id=self.capabilities.eos_token_id,
             priority=priority,
+            pixel_values=prompt.pixel_values,
         )
 
 

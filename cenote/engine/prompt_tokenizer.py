@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+import torch
 from tokenizers import Encoding, Tokenizer
 
 from cenote.config import ModelConfig
@@ -32,6 +33,8 @@ class TokenizedPrompt:
     token_type_ids: list[int] | None = None  # segment ids (cross-encoder pairs)
     num_instruction_tokens: int = 0  # leading tokens of the prepended instruction prompt
     truncated: bool = False  # tokens were cut (truncation; a pair's document)
+    # an image prompt: its preprocessed pixels; prompt_token_ids are placeholders (one per token)
+    pixel_values: torch.Tensor | None = None
 
 
 class PromptTokenizer:

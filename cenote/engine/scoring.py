@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from cenote.engine.chat import render_template
 from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.errors import InvalidInputError
-from cenote.inputs import PromptType
+from cenote.inputs import ImagePrompt, PromptType
 from cenote.outputs import PoolingRequestOutput, ScoringOutput
 from cenote.pooling_params import PoolingParams
 from cenote.tasks import PoolingTask
@@ -34,6 +34,8 @@ COHERE_MAX_TOKENS_PER_DOC = 4096  # rerank's default cut of each document (Coher
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 
 ScoreInput = str | Sequence[str]
+T = TypeVar("T")
+ScoreItem = str | ImagePrompt  # an image: embedding models with a vision tower (CLIP, SigLIP)
 
 
 def pair_texts(text_1: ScoreInput, text_2: ScoreInput) -> list[tuple[str, str]]:
@@ -48,6 +50,28 @@ def pair_texts(text_1: ScoreInput, text_2: ScoreInput) -> list[tuple[str, str]]:
             raise InvalidInputError(
                 f"{name}[{bad[0]}] is a {type(texts[bad[0]]).__name__}, not str"
             )
+    return _pairs(queries, documents)
+
+
+def pair_inputs(
+    input_1: ScoreItem | Sequence[ScoreItem], input_2: ScoreItem | Sequence[ScoreItem]
+) -> list[tuple[ScoreItem, ScoreItem]]:
+    """``pair_texts`` where either side may also hold images (``{"image": ...}``)."""
+    sides: list[list[ScoreItem]] = []
+    for name, value in (("text_1", input_1), ("text_2", input_2)):
+        items: list[ScoreItem] = [value] if isinstance(value, str | dict) else list(value)
+        if not items:
+            raise InvalidInputError(f"score needs at least one input in {name}, got an empty list")
+        for i, item in enumerate(items):
+            if not isinstance(item, str) and not (isinstance(item, dict) and "image" in item):
+                raise InvalidInputError(
+                    f"{name}[{i}] is a {type(item).__name__}, not str nor {{'image': ...}}"
+                )
+        sides.append(items)
+    return _pairs(*sides)
+
+
+def _pairs(queries: list[T], documents: list[T]) -> list[tuple[T, T]]:
     if len(queries) == 1:
         queries = queries * len(documents)
     elif len(queries) != len(documents):
@@ -162,7 +186,7 @@ class ScorePlan:
 def plan_scores(
     processor: InputProcessor,
     request_id: str,
-    pairs: list[tuple[str, str]],
+    pairs: Sequence[tuple[ScoreItem, ScoreItem]],
     params: PoolingParams | None = None,
     *,
     max_tokens_per_doc: int | None = None,
@@ -195,9 +219,10 @@ def plan_scores(
         max_tokens_per_doc = COHERE_MAX_TOKENS_PER_DOC
     plan = _Planner(processor, request_id, params, max_tokens_per_doc, fit_documents, priority)
     if processor.capabilities.score_type == "cross_encoder":
+        text_pairs = _text_pairs(pairs)
         if chunk_overlap is not None:
-            return plan.cross_encoder_windows(pairs, chunk_overlap)
-        return plan.cross_encoder(pairs, instruction)
+            return plan.cross_encoder_windows(text_pairs, chunk_overlap)
+        return plan.cross_encoder(text_pairs, instruction)
     if chunk_overlap is not None:
         raise InvalidInputError(
             "chunk-and-max reranking (rerank_chunking 'max') reads query-document pairs: it "
@@ -205,6 +230,23 @@ def plan_scores(
             f"{processor.capabilities.score_type}"
         )
     return plan.embeddings(pairs)
+
+
+def _text_pairs(pairs: Sequence[tuple[ScoreItem, ScoreItem]]) -> list[tuple[str, str]]:
+    """A cross-encoder's pairs, all texts."""
+    text_pairs = []
+    for i, (query, document) in enumerate(pairs):
+        if not isinstance(query, str) or not isinstance(document, str):
+            raise InvalidInputError(
+                f"pair {i} holds an image; a cross-encoder scores text pairs only"
+            )
+        text_pairs.append((query, document))
+    return text_pairs
+
+
+def _score_key(item: ScoreItem) -> object:
+    """A query's identity among a call's pairs (an image: the object the caller passed)."""
+    return item if isinstance(item, str) else ("image", id(item["image"]))
 
 
 @dataclass
@@ -283,7 +325,7 @@ class _Planner:
             requests, [r[0] for r in rows], None, num_truncated_documents=num_cut, window_rows=rows
         )
 
-    def embeddings(self, pairs: list[tuple[str, str]]) -> ScorePlan:
+    def embeddings(self, pairs: Sequence[tuple[ScoreItem, ScoreItem]]) -> ScorePlan:
         """Embed each distinct query once and every document, then compare per pair."""
         processor = self.processor
         score_type = processor.capabilities.score_type
@@ -306,12 +348,12 @@ class _Planner:
         )
         document_params = dataclasses.replace(query_params, truncate_prompt_tokens=doc_truncate)
         # 1) distinct queries (1 -> N embeds the query once), named by their first pair
-        first_pair: dict[str, int] = {}
+        first_pair: dict[object, int] = {}
         for j, (query, _) in enumerate(pairs):
-            first_pair.setdefault(query, j)
+            first_pair.setdefault(_score_key(query), j)
         queries = self._requests(
-            list(first_pair), query_params, 0, role="query", label="query",
-            indices=list(first_pair.values()),
+            [pairs[j][0] for j in first_pair.values()], query_params, 0, role="query",
+            label="query", indices=list(first_pair.values()),
         )  # fmt: skip
         # 2) documents after them
         documents = self._requests(
@@ -321,7 +363,7 @@ class _Planner:
         query_rows = {query: row for row, query in enumerate(first_pair)}
         return ScorePlan(
             requests=queries + documents,
-            query_rows=[query_rows[q] for q, _ in pairs],
+            query_rows=[query_rows[_score_key(q)] for q, _ in pairs],
             document_rows=[len(queries) + i for i in range(len(pairs))],
             late_interaction=score_type == "late_interaction",
             sparse=score_type == "sparse",

@@ -29,8 +29,10 @@ from cenote.engine.input_processor import (
 )
 from cenote.engine.output_processor import UserOutput, outputs_of
 from cenote.engine.params_validator import Params
+from cenote.engine.scoring import ScoreItem
 from cenote.engine_args import EngineArgs, with_engine_args
 from cenote.errors import InvalidInputError, InvalidInputTypeError
+from cenote.images.sources import MediaPolicy
 from cenote.inputs import ChatPrompt, PromptType
 from cenote.lora.request import LoRARequest
 from cenote.models.colbert import TextRole
@@ -114,7 +116,10 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config.model)
         self.input_processor = InputProcessor(
-            self.config.model, self.tokenizer, self.engine.capabilities
+            self.config.model,
+            self.tokenizer,
+            self.engine.capabilities,
+            media_policy=MediaPolicy(local_paths=True),  # images: the caller's own files too
         )
         # the engine loop (cenote.engine.client): every method here hands its prompts to
         # input_processor.process_batch and runs the requests through this client
@@ -234,8 +239,8 @@ class LLM:
 
     def score(
         self,
-        text_1: str | Sequence[str],
-        text_2: str | Sequence[str],
+        text_1: ScoreItem | Sequence[ScoreItem],
+        text_2: ScoreItem | Sequence[ScoreItem],
         pooling_params: PoolingParams | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
@@ -252,12 +257,14 @@ class LLM:
         models take the dot product of their sparse embeddings. ``pooling_params`` also carries
         ``truncate_prompt_tokens`` and ``truncation_side``. ``rerank_chunking="max"``
         (cross-encoders): a long text_2 is read in windows overlapping by ``chunk_overlap``
-        tokens, text_1 whole in each; its score is its best window's (``outputs.chunk_index``)."""
+        tokens, text_1 whole in each; its score is its best window's (``outputs.chunk_index``).
+        Models with a vision tower (CLIP, SigLIP) also score images (``{"image": ...}``, on
+        either side) against texts or images: the cosine of their embeddings."""
         if rerank_chunking not in (None, "max"):
             raise InvalidInputError(
                 f"rerank_chunking must be 'max' or None, got {rerank_chunking!r}"
             )
-        pairs = scoring.pair_texts(text_1, text_2)
+        pairs = scoring.pair_inputs(text_1, text_2)
         (params,) = _bind([pooling_params or PoolingParams()], truncate_prompt_tokens)
         plan = scoring.plan_scores(
             self.input_processor, self._next_id(), pairs, params,

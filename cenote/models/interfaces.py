@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from cenote.images.batch import ImageBatch
     from cenote.models.checkpoint_map import LinearSlot
     from cenote.models.layers.quant import QuantizedWeight
     from cenote.pooling.activation import Activation
@@ -101,6 +102,24 @@ class ScorerDefaults:
     classifier_pooling: PoolingMethod | None = "cls"
     default_activation: Activation | None = None
     step_tag_id: int | None = None
+
+
+@runtime_checkable
+class ImageTextModel(Model, Protocol):
+    """A model with a vision tower (CLIP, SigLIP): image requests carry pixels, their rows in
+    the flat batch are placeholders (``num_image_tokens`` each), and ``images`` says which
+    requests of the step they are."""
+
+    num_image_tokens: int | None  # rows an image takes; None: no vision tower (text only)
+    image_size: int | None  # the square the vision tower sees; None: no vision tower
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        images: ImageBatch | None = None,
+    ) -> torch.Tensor: ...
 
 
 @runtime_checkable

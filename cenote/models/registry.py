@@ -91,6 +91,14 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
     (False, ("embed", "embed_sparse", "token_embed")): {
         "BgeM3EmbeddingModel": ("bge_m3", "BgeM3Model"),
     },
+    # two towers projecting texts and images into one space (images are prompts), or the text
+    # tower alone; a vision-only folder has no tokenizer, which the engine needs
+    (False, ("embed",)): {
+        "CLIPModel": ("clip", "ClipModel"),
+        "CLIPTextModelWithProjection": ("clip", "ClipModel"),
+        "SiglipModel": ("siglip", "SiglipModel"),
+        "SiglipTextModel": ("siglip", "SiglipModel"),
+    },
     # colbert-ai checkpoints: BERT + linear, token vectors for late interaction (MaxSim)
     (False, ("token_embed",)): {
         "HF_ColBERT": ("colbert", "HFColBERT"),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cenote.forward_context import AttentionMetadata
+from cenote.images.batch import ImageBatch
 from cenote.platform import to_device
 from cenote.scheduler.output import ScheduledRequest
 
@@ -28,6 +29,7 @@ class InputBatch:
     attention: AttentionMetadata  # cumulative lengths, KV slots and block tables
     row_ends: list[int]  # [num_requests] index one past each request's last row
     num_tokens: int  # rows that belong to requests; the rows after them are padding
+    images: ImageBatch | None = None  # the image requests' pixels (their rows: placeholders)
 
 
 def build_input_batch(
@@ -84,6 +86,7 @@ def build_input_batch(
         device=device,
     )
     return InputBatch(
+        images=_image_batch(scheduled, device),
         input_ids=moved[0],
         positions=moved[1],
         token_type_ids=token_type_ids,
@@ -91,6 +94,16 @@ def build_input_batch(
         row_ends=query_start_loc[1:],
         num_tokens=num_tokens,
     )
+
+
+def _image_batch(scheduled: list[ScheduledRequest], device: torch.device) -> ImageBatch | None:
+    """The pixels of the step's image requests, stacked (None: no image in the step)."""
+    indices = [i for i, s in enumerate(scheduled) if s.pixel_values is not None]
+    if not indices:
+        return None
+    pixels = [scheduled[i].pixel_values for i in indices]
+    stacked = torch.stack([p for p in pixels if p is not None]).to(device)
+    return ImageBatch(pixel_values=stacked, request_indices=indices)
 
 
 def padded_rows(num_tokens: int, max_position: int) -> int:

@@ -11,7 +11,7 @@ from cenote.config import EngineConfig
 from cenote.forward_context import forward_context
 from cenote.lora.manager import LoRAManager
 from cenote.messages import LogprobsLists
-from cenote.models.interfaces import CausalLM, DecoderModel, Model
+from cenote.models.interfaces import CausalLM, DecoderModel, ImageTextModel, Model
 from cenote.models.layers.lora import lora_context
 from cenote.models.layers.triton_attention import triton_paged_decode
 from cenote.pooling.metadata import PoolingMetadata
@@ -150,7 +150,13 @@ class ModelRunner:
             [s.lora_int_id for s in scheduled], batch.row_ends, [s.num_tokens for s in scheduled]
         )
         with forward_context(batch.attention), lora_context(lora_batch):
-            hidden = self.model(batch.input_ids, batch.positions, batch.token_type_ids)
+            if batch.images is not None:
+                assert isinstance(self.model, ImageTextModel)  # the front admits images so
+                hidden = self.model(
+                    batch.input_ids, batch.positions, batch.token_type_ids, images=batch.images
+                )
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, batch.token_type_ids)
         hidden = hidden[: batch.num_tokens]  # [num_tokens, hidden]: without the padding rows
         return _Step(scheduled, batch.row_ends, hidden)
 

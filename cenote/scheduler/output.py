@@ -9,6 +9,8 @@ from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from cenote.structured.grammar import RequestGrammar
 
 
@@ -30,6 +32,7 @@ class ScheduledRequest:
     needs_sample: bool  # this step reaches the end of the known tokens (sample now)
     grammar: RequestGrammar | None = None  # structured outputs: masks the sampled row
     lora_int_id: int | None = None  # the LoRA adapter its rows run under; None: the base
+    pixel_values: torch.Tensor | None = None  # an image prompt's pixels (encoders: scheduled whole)
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from cenote.lora.request import LoRARequest
     from cenote.pooling_params import PoolingParams
     from cenote.sampling_params import SamplingParams
@@ -69,6 +71,7 @@ class Request:
     added_time: float = field(default_factory=time.monotonic)
     grammar: RequestGrammar | None = None  # structured outputs: the output's matcher
     lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
+    pixel_values: torch.Tensor | None = None  # an image prompt's pixels (placeholder token ids)
 
     @property
     def block_hash_keys(self) -> tuple[object, ...] | None:

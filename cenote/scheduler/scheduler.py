@@ -285,6 +285,7 @@ class Scheduler:
             needs_sample=request.sampling_params is not None and end == request.num_tokens,
             grammar=request.grammar,
             lora_int_id=None if request.lora_request is None else request.lora_request.lora_int_id,
+            pixel_values=request.pixel_values,
         )
 
     # ---- after the step ---------------------------------------------------------------------

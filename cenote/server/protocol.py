@@ -7,7 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from cenote.errors import InvalidInputError
-from cenote.inputs import ChatPrompt, PromptType, TokensPrompt
+from cenote.inputs import ChatPrompt, ImagePrompt, PromptType, TokensPrompt
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 from cenote.structured.params import StructuredOutputsParams
@@ -122,6 +122,35 @@ def chat_prompt(body: _ChatInput | ChatCompletionRequest, messages: ChatMessages
     )
 
 
+def image_prompt(messages: ChatMessages) -> ImagePrompt | None:
+    """The image of ``messages`` with an ``image_url`` content part, as vLLM sends one to CLIP
+    and SigLIP: exactly one image and no text (a two-tower model embeds one or the other; send
+    texts as ``input``); None when no part is an image."""
+    parts = [
+        part for m in messages if isinstance(m.content, list) for part in m.content
+    ]  # fmt: skip
+    images = [part for part in parts if part.type == "image_url"]
+    if not images:
+        return None
+    texts = [part.text for part in parts if part.type != "image_url" and part.text]
+    texts += [m.content for m in messages if isinstance(m.content, str) and m.content]
+    if len(images) > 1 or texts:
+        raise InvalidInputError(
+            f"messages hold {len(images)} image_url parts and {len(texts)} texts; an image "
+            "embedding takes exactly one image_url part and no text (send texts as 'input')",
+            param="messages",
+        )
+    extra = images[0].model_extra or {}
+    image_url = extra.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str):
+        raise InvalidInputError(
+            "an image_url part must be {'type': 'image_url', 'image_url': {'url': '...'}}",
+            param="messages",
+        )
+    return ImagePrompt(image=url)
+
+
 def prompts_of(input_: PromptInput | None) -> list[PromptType]:
     """Text, texts, token ids or token-id lists as prompts (at least one, none empty)."""
     if input_ is None:
@@ -175,9 +204,11 @@ class _PoolingBody(_ChatInput):
     request_id: str | None = None
 
     def prompts(self) -> list[PromptType]:
-        """The prompts of ``input``, or one chat prompt of ``messages``."""
+        """The prompts of ``input``, or one prompt of ``messages``: an image when they hold an
+        ``image_url`` part (vLLM's shape for CLIP / SigLIP), else a chat."""
         if self.messages is not None and self.input is None:
-            return [chat_prompt(self, self.messages)]
+            image = image_prompt(self.messages)
+            return [image if image is not None else chat_prompt(self, self.messages)]
         return prompts_of(self.input if self.messages is None else None)
 
     def to_pooling_params(

@@ -27,6 +27,7 @@ from cenote.engine.embedding_cache import CacheSize, EmbeddingCache, parse_cache
 from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import outputs_of
 from cenote.engine_args import option
+from cenote.images.sources import DEFAULT_MAX_IMAGE_PIXELS, MediaPolicy
 from cenote.inputs import PromptType
 from cenote.lora.manager import LoRAManager, shape_checker
 from cenote.lora.request import LoRARequest
@@ -86,6 +87,15 @@ class ServerOptions:
     max_body_bytes: int = option(16 << 20, "largest request body (more: 413)")
     max_inputs: int = option(2048, "inputs (prompts, documents) in one request (more: 400)")
     max_input_chars: int = option(1 << 20, "characters in one input text (more: 400)")
+    max_image_pixels: int = option(
+        DEFAULT_MAX_IMAGE_PIXELS, "pixels (width x height) of one input image (more: 400)"
+    )
+    allowed_local_media_path: str | None = option(
+        None, "read file:// image URLs under this folder", shown="none: file:// is refused"
+    )
+    allow_remote_media: bool = option(
+        False, "accept http(s) image URLs (this server fetches nothing: they are still refused)"
+    )
     max_request_tokens: int = option(
         65536, "prompt tokens of one request, all its inputs together (more: 400)"
     )
@@ -266,11 +276,21 @@ class ServerState:
                 "inputs per request"
             )
 
+    @property
+    def media_policy(self) -> MediaPolicy:
+        """How images may arrive in requests (``image_url`` content parts)."""
+        folder = self.options.allowed_local_media_path
+        return MediaPolicy(
+            max_image_pixels=self.options.max_image_pixels,
+            allowed_local_media_path=Path(folder) if folder is not None else None,
+            allow_remote_media=self.options.allow_remote_media,
+        )
+
     async def start(self) -> None:
         capabilities = await self.client.start()
         self.input_processor = InputProcessor(
             self.model_config, self.tokenizer, capabilities, self.options.chat_template,
-            max_input_chars=self.options.max_input_chars,
+            max_input_chars=self.options.max_input_chars, media_policy=self.media_policy,
         )  # fmt: skip
         template = self.input_processor.chat_template
         self.tool_format = tool_call_format(self.options.tool_call_parser, template)

@@ -16,6 +16,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "tanh": torch.tanh,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP
 }
 
 

@@ -1,0 +1,103 @@
+"""Image embedding throughput of a full-size CLIP ViT-B/32 (random weights, CLIPConfig's
+defaults: openai/clip-vit-base-patch32's shape): cenote vs transformers (``CLIPImageProcessorPil``
++ ``CLIPModel.get_image_features`` in batches), preprocessing included on both sides. Run from
+``embed_architectures.py --clip-images N``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def build_clip_folder(root: Path, seed: int = 0) -> Path:
+    """A random ViT-B/32 CLIP folder with its image processor and all-MiniLM-L6-v2's tokenizer
+    (only images are embedded here; cenote loads a tokenizer with every model)."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    from cenote.config import default_model_path
+
+    torch.manual_seed(seed)
+    model = transformers.CLIPModel(transformers.CLIPConfig()).float().eval()
+    folder = root / "clip-vit-b32"
+    model.save_pretrained(folder)
+    tokenizer = Tokenizer.from_file(str(default_model_path() / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]"
+    ).save_pretrained(folder)
+    transformers.CLIPImageProcessorPil().save_pretrained(folder)
+    return folder
+
+
+def make_images(num_images: int, seed: int = 0) -> list:
+    """Photo-sized noise images of a few aspect ratios (640 x 480, 480 x 640, 800 x 600)."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(640, 480), (480, 640), (800, 600)]
+    images = []
+    for i in range(num_images):
+        width, height = shapes[i % len(shapes)]
+        pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=generator)
+        images.append(Image.fromarray(pixels.numpy()))
+    return images
+
+
+def run_reference(model, processor, batch: list, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' image embeddings of ``batch``: its processor, then ``get_image_features``."""
+    pixels = processor(images=batch, return_tensors="pt")["pixel_values"].to(dtype)
+    with torch.inference_mode():
+        return model.get_image_features(pixel_values=pixels).pooler_output.float()
+
+
+def bench_clip(
+    root: Path, num_images: int, threads: int, dtypes: list[str], batch_size: int
+) -> list[str]:
+    """Rows of images/s per dtype and engine, the ratio and the min cosine."""
+    import transformers
+
+    from cenote import LLM
+
+    folder = build_clip_folder(root)
+    images = make_images(num_images)
+    processor = transformers.CLIPImageProcessorPil.from_pretrained(folder)
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        torch.set_num_threads(threads)
+        model = transformers.CLIPModel.from_pretrained(folder).to(dtype).eval()
+        run_reference(model, processor, images[:batch_size], dtype)  # warm-up
+        start = time.perf_counter()
+        theirs = torch.cat(
+            [
+                run_reference(model, processor, images[i : i + batch_size], dtype)
+                for i in range(0, num_images, batch_size)
+            ]
+        )
+        their_seconds = time.perf_counter() - start
+        del model
+        llm = LLM(str(folder), dtype=dtype_name, num_threads=threads)
+        prompts = [{"image": image} for image in images]
+        llm.embed(prompts[:batch_size], use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = llm.embed(prompts, use_tqdm=False)
+        our_seconds = time.perf_counter() - start
+        del llm
+        ours = torch.stack([o.outputs.data.float() for o in outputs])
+        cosine = F.cosine_similarity(ours, theirs, dim=-1)
+        ratio = their_seconds / our_seconds
+        for engine, seconds, extra in (
+            ("hf", their_seconds, ""),
+            ("cenote", our_seconds, f"{ratio:6.2f} {float(cosine.min()):8.6f}"),
+        ):
+            rows.append(
+                f"{'clip-vit-b32':16} {dtype_name:9} {engine:8} {num_images:5d} img "
+                f"{seconds:8.2f} {num_images / seconds:8.1f} {extra}"
+            )
+        print(rows[-2], rows[-1], sep="\n", flush=True)
+    return rows

@@ -1,0 +1,327 @@
+"""CLIP and SigLIP (two towers, one space) vs transformers, tiny random models, fp32: the image
+preprocessing vs transformers' PIL image processors, each tower's hidden states, text and image
+embeddings vs ``get_text_features`` / ``get_image_features`` and sentence-transformers, batch
+invariance, score, and the
+served shape (vLLM's ``messages`` with ``image_url`` parts) with its bad inputs."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import NUM_THREADS
+from factories.vision import IMAGE_SIZE, TEXT, make_clip, make_image, make_siglip, png_bytes
+
+from cenote import LLM
+from cenote.config import ModelConfig
+from cenote.errors import InvalidInputError
+from cenote.forward_context import AttentionMetadata, forward_context
+from cenote.images.processor import ImageProcessor
+from cenote.models.clip import ClipModel
+from cenote.models.loader import load_model
+
+ATOL = 1e-4  # DESIGN.md §3: hidden states vs transformers, fp32
+MIN_COSINE_FP32 = 0.9999  # DESIGN.md §3: embeddings, fp32
+BATCH_ATOL = 1e-5  # DESIGN.md §3: batch invariance, fp32
+PIXEL_ATOL = 1e-5  # preprocessing vs transformers' image processor
+TEXTS = ["a photo of a cat", "red square", "a blue circle of a dog dog dog", "cat"]
+# (width, height): landscape, portrait, square, smaller than the crop, odd sizes
+IMAGE_SHAPES = [(45, 37), (20, 50), (30, 30), (17, 13), (64, 31)]
+PROCESSORS = {
+    "clip": transformers.CLIPImageProcessorPil,
+    "siglip": transformers.SiglipImageProcessorPil,
+}
+
+
+def _images() -> list:
+    return [make_image(w, h, seed=i) for i, (w, h) in enumerate(IMAGE_SHAPES)]
+
+
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def family(request, tmp_path_factory: pytest.TempPathFactory):
+    """(name, folder, transformers model, cenote LLM)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    make = make_clip if request.param == "clip" else make_siglip
+    hf = make(folder)
+    llm = LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)
+    return request.param, folder, hf, llm
+
+
+def _hf_pixels(name: str, folder: Path, images: list) -> torch.Tensor:
+    processor = PROCESSORS[name].from_pretrained(folder)
+    return processor(images=images, return_tensors="pt")["pixel_values"]
+
+
+def _text_ids(name: str, tokenizer, text: str) -> torch.Tensor:
+    """A text's ids as its model card feeds them: SigLIP's padded to the position limit (its
+    ``padding="max_length"``, no attention mask), CLIP's as they are."""
+    if name == "siglip":
+        length = TEXT["max_position_embeddings"]
+        return tokenizer(text, padding="max_length", max_length=length, return_tensors="pt")[
+            "input_ids"
+        ]
+    return tokenizer(text, return_tensors="pt")["input_ids"]
+
+
+def _embed(llm: LLM, prompts: list) -> torch.Tensor:
+    outputs = llm.embed(prompts, use_tqdm=False)
+    return torch.stack([torch.tensor(o.outputs.embedding) for o in outputs])
+
+
+def test_preprocessing_matches_transformers(family) -> None:
+    name, folder, _, _ = family
+    images = _images() + [
+        make_image(40, 33, seed=9).convert("RGBA"),
+        make_image(33, 40).convert("L"),
+    ]
+    reference = _hf_pixels(name, folder, images)
+    processor = ImageProcessor.from_folder(folder, IMAGE_SIZE)
+    ours = torch.stack([processor(image) for image in images])
+    assert ours.shape == reference.shape == (len(images), 3, IMAGE_SIZE, IMAGE_SIZE)
+    torch.testing.assert_close(ours, reference, atol=PIXEL_ATOL, rtol=0)
+
+
+def test_tower_hidden_states_match_transformers(family) -> None:
+    name, folder, hf, _ = family
+    model = load_model(ModelConfig.from_path(folder, dtype="float32"))
+    assert isinstance(model, ClipModel) and model.text_model and model.vision_model
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = [tokenizer(text)["input_ids"] for text in TEXTS]
+    flat = torch.tensor([t for row in ids for t in row])
+    positions = torch.cat([torch.arange(len(row)) for row in ids])
+    starts = [0]
+    for row in ids:
+        starts.append(starts[-1] + len(row))
+    metadata = AttentionMetadata(
+        query_start_loc=starts, seq_lens=[len(r) for r in ids], causal=False
+    )
+    pixels = _hf_pixels(name, folder, _images())
+    with torch.no_grad(), forward_context(metadata):
+        text_hidden = model.text_model(flat, positions)
+        vision_hidden = model.vision_model(pixels)
+        reference_vision = hf.vision_model(pixel_values=pixels).last_hidden_state
+    for i, row in enumerate(ids):
+        with torch.no_grad():
+            reference = hf.text_model(input_ids=torch.tensor([row])).last_hidden_state[0]
+        torch.testing.assert_close(
+            text_hidden[starts[i] : starts[i + 1]], reference, atol=ATOL, rtol=0
+        )
+    if name == "siglip":  # transformers returns SigLIP's after the post-LayerNorm
+        vision_hidden = model.vision_model.post_layernorm(vision_hidden)
+    torch.testing.assert_close(vision_hidden, reference_vision, atol=ATOL, rtol=0)
+
+
+def test_embeddings_match_transformers(family) -> None:
+    """Texts and images in one call (they share steps): each as ``get_text_features`` /
+    ``get_image_features``."""
+    name, folder, hf, llm = family
+    images = _images()
+    ours = _embed(llm, [*TEXTS, *({"image": image} for image in images)])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        text_reference = torch.cat(
+            [
+                hf.get_text_features(input_ids=_text_ids(name, tokenizer, t)).pooler_output
+                for t in TEXTS
+            ]
+        )
+        pixels = _hf_pixels(name, folder, images)
+        image_reference = hf.get_image_features(pixel_values=pixels).pooler_output
+    reference = torch.cat([text_reference, image_reference])
+    cosine = F.cosine_similarity(ours, reference, dim=-1)
+    assert cosine.min() >= MIN_COSINE_FP32, cosine
+    torch.testing.assert_close(ours, F.normalize(reference, dim=-1), atol=1e-5, rtol=0)
+
+
+def test_embeddings_match_sentence_transformers(family) -> None:
+    """sentence-transformers 6 loads the same folder (its ``Transformer`` module calls the
+    towers' feature methods; one call per modality) and agrees. SigLIP's texts are left out:
+    sentence-transformers pads a batch to its longest text, so a text's embedding depends on its
+    batch (SigLIP pools the last position, with no attention mask)."""
+    from sentence_transformers import SentenceTransformer
+
+    name, folder, _, llm = family
+    st = SentenceTransformer(str(folder), device="cpu")
+    images = _images()[:3]
+    texts = TEXTS if name == "clip" else []
+    reference = torch.cat(
+        [
+            *([st.encode(texts, convert_to_tensor=True)] if texts else []),
+            st.encode(images, convert_to_tensor=True),
+        ]
+    ).float()
+    ours = _embed(llm, [*texts, *({"image": image} for image in images)])
+    cosine = F.cosine_similarity(ours, reference, dim=-1)
+    assert cosine.min() >= MIN_COSINE_FP32, cosine
+
+
+def test_batch_invariance(family) -> None:
+    _, _, _, llm = family
+    image = make_image(45, 37)
+    alone = _embed(llm, [{"image": image}])[0]
+    text_alone = _embed(llm, [TEXTS[2]])[0]
+    batch = _embed(llm, [TEXTS[0], {"image": make_image(20, 50)}, {"image": image}, TEXTS[2]])
+    torch.testing.assert_close(batch[2], alone, atol=BATCH_ATOL, rtol=0)
+    torch.testing.assert_close(batch[3], text_alone, atol=BATCH_ATOL, rtol=0)
+
+
+def test_image_from_path_and_score(family, tmp_path: Path) -> None:
+    """An image as a path embeds as the PIL image; ``score`` is the cosine of image and text
+    embeddings (1 -> N)."""
+    _, _, _, llm = family
+    image = make_image(45, 37)
+    path = tmp_path / "image.png"
+    path.write_bytes(png_bytes(image))
+    from_path, from_pil, *texts = _embed(llm, [{"image": str(path)}, {"image": image}, *TEXTS])
+    torch.testing.assert_close(from_path, from_pil, atol=BATCH_ATOL, rtol=0)
+    scores = [o.outputs.score for o in llm.score({"image": image}, TEXTS, use_tqdm=False)]
+    expected = [float(F.cosine_similarity(from_pil, t, dim=0)) for t in texts]
+    assert scores == pytest.approx(expected, abs=1e-5)
+
+
+def test_offline_bad_images(family, tmp_path: Path) -> None:
+    """Not an image, a missing file, a wrong type: clear errors, and the engine goes on."""
+    _, _, _, llm = family
+    not_image = tmp_path / "notes.png"
+    not_image.write_text("this is not a picture")
+    with pytest.raises(InvalidInputError, match="not an image"):
+        llm.embed([{"image": str(not_image)}], use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="is not a file"):
+        llm.embed([{"image": str(tmp_path / "missing.png")}], use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="PIL image, a path or a URL"):
+        llm.embed([{"image": 42}], use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="token_embed. is not supported"):
+        llm.encode([{"image": make_image(30, 30)}], pooling_task="token_embed", use_tqdm=False)
+    assert len(_embed(llm, [{"image": make_image(30, 30)}, "cat"])) == 2
+
+
+@pytest.mark.parametrize("kind", ["CLIPTextModelWithProjection", "SiglipTextModel"])
+def test_text_only_folder(tmp_path: Path, kind: str) -> None:
+    """The text tower alone: texts as transformers embeds them (``text_embeds``, SigLIP's
+    ``pooler_output``); an image is a clear error naming the missing tower."""
+    hf = make_clip(tmp_path, kind) if kind.startswith("CLIP") else make_siglip(tmp_path, kind)
+    llm = LLM(str(tmp_path), dtype="float32", num_threads=NUM_THREADS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    with torch.no_grad():
+        name = "clip" if kind.startswith("CLIP") else "siglip"
+        outputs = [hf(input_ids=_text_ids(name, tokenizer, t)) for t in TEXTS]
+    field = "text_embeds" if name == "clip" else "pooler_output"
+    reference = torch.cat([getattr(o, field) for o in outputs])
+    cosine = F.cosine_similarity(_embed(llm, TEXTS), reference, dim=-1)
+    assert cosine.min() >= MIN_COSINE_FP32
+    with pytest.raises(InvalidInputError, match="no vision tower"):
+        llm.embed([{"image": make_image(30, 30)}], use_tqdm=False)
+
+
+# ---- served: vLLM's messages with image_url parts ---------------------------------------------
+
+
+def _data_uri(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def _image_messages(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+
+
+@pytest.fixture(scope="module")
+def clip_server(tmp_path_factory: pytest.TempPathFactory):
+    """``cenote serve`` on a tiny CLIP, local media allowed under one folder, 2,000 pixels."""
+    from tests.server_fixture import ServerProcess
+
+    folder = tmp_path_factory.mktemp("clip_served")
+    make_clip(folder)
+    media = tmp_path_factory.mktemp("media")
+    (media / "image.png").write_bytes(png_bytes(make_image(45, 37)))
+    server = ServerProcess(
+        str(folder), "--dtype", "float32", "--num-threads", str(NUM_THREADS),
+        "--allowed-local-media-path", str(media), "--max-image-pixels", "2000",
+    )  # fmt: skip
+    try:
+        yield server, folder, media
+    finally:
+        server.stop()
+
+
+def test_served_image_embeddings(clip_server) -> None:
+    """``/v1/embeddings`` and ``/pooling`` take an image as a data URI or an allowed file://
+    path; image and text embeddings are those of the offline engine."""
+    server, folder, media = clip_server
+    image = make_image(45, 37)
+    llm = LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)
+    expected_image, expected_text = _embed(llm, [{"image": image}, TEXTS[0]])
+    url = f"{server.url}/v1/embeddings"
+    for source in (_data_uri(image), f"file://{media / 'image.png'}"):
+        response = httpx.post(url, json={"messages": _image_messages(source)}, timeout=60)
+        assert response.status_code == 200, response.text
+        got = torch.tensor(response.json()["data"][0]["embedding"])
+        torch.testing.assert_close(got, expected_image, atol=BATCH_ATOL, rtol=0)
+    response = httpx.post(url, json={"input": TEXTS[0]}, timeout=60)
+    torch.testing.assert_close(
+        torch.tensor(response.json()["data"][0]["embedding"]),
+        expected_text,
+        atol=BATCH_ATOL,
+        rtol=0,
+    )
+    body = {"messages": _image_messages(_data_uri(image)), "task": "embed"}
+    response = httpx.post(f"{server.url}/pooling", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    torch.testing.assert_close(
+        torch.tensor(response.json()["data"][0]["data"]), expected_image, atol=BATCH_ATOL, rtol=0
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not_an_image",
+        "too_many_pixels",
+        "remote_url",
+        "file_outside",
+        "image_and_text",
+        "bad_base64",
+    ],
+)
+def test_served_bad_images(clip_server, tmp_path: Path, case: str) -> None:
+    """Each is a 400 naming the cause (with the numbers), and the engine serves the next one."""
+    server, _, media = clip_server
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(png_bytes(make_image(30, 30)))
+    messages, expected = {
+        "not_an_image": (
+            _image_messages("data:image/png;base64," + base64.b64encode(b"plain text").decode()),
+            "not an image",
+        ),
+        "too_many_pixels": (
+            _image_messages(_data_uri(make_image(50, 41))),
+            "50 x 41 = 2050 pixels, more than the limit of 2000",
+        ),
+        "remote_url": (_image_messages("https://example.com/cat.png"), "--allow-remote-media"),
+        "file_outside": (_image_messages(f"file://{outside}"), "outside the allowed local media"),
+        "image_and_text": (
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": _data_uri(make_image(9, 9))}},
+                        {"type": "text", "text": "a cat"},
+                    ],
+                }
+            ],
+            "exactly one image_url part and no text",
+        ),
+        "bad_base64": (_image_messages("data:image/png;base64,@@@"), "not valid base64"),
+    }[case]
+    url = f"{server.url}/v1/embeddings"
+    response = httpx.post(url, json={"messages": messages}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert expected in response.json()["error"]["message"]
+    good = httpx.post(
+        url, json={"messages": _image_messages(_data_uri(make_image(30, 30)))}, timeout=60
+    )
+    assert good.status_code == 200, good.text
