@@ -320,5 +320,6 @@ async def _close(model: OnDemandModel) -> None:
         return
     await state.close()
     del state
+    await asyncio.sleep(0)  # the cancelled output task lets go of the client
     gc.collect()
     release_freed_memory()
