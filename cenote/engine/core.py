@@ -13,6 +13,7 @@ import torch
 
 from cenote.config import EngineConfig
 from cenote.engine.capabilities import ModelCapabilities, ScoreType
+from cenote.engine.heap import release_freed_memory
 from cenote.kv_cache.manager import (
     KVCacheManager,
     kv_cache_bytes_per_block,
@@ -277,19 +278,6 @@ class EngineCore:
             prefix_cache_queries=manager.queries if manager is not None else 0,
             prefix_cache_hits=manager.hits if manager is not None else 0,
         )
-
-
-def release_freed_memory() -> None:
-    """Return the heap memory that loading freed to the OS (glibc's ``malloc_trim``; a no-op
-    elsewhere). Loading dequantizes and prepacks weights through temporaries that glibc keeps
-    in its heap after they are freed; the KV cache, allocated next, cannot reuse them, so they
-    would count in the process's resident set and its peak (SmolLM2 GGUF: 130 MB)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    trim(ctypes.c_size_t(0))
 
 
 # glibc's mallopt parameters (malloc.h) and the values keep_step_memory sets

@@ -65,15 +65,33 @@ def share_cpus(
 ) -> list[EngineConfig]:
     """Each model's config with its share applied (``plan_cpu_shares``): ``num_threads`` (all
     its replicas together) and ``cpu_ids``."""
+    return share_cpus_and_slots(configs, data_parallel_sizes, available)[0]
+
+
+def share_cpus_and_slots(
+    configs: Sequence[EngineConfig],
+    data_parallel_sizes: Sequence[int],
+    available: Sequence[int],
+    num_slots: int = 0,
+    slot_size: int = 1,
+) -> tuple[list[EngineConfig], list[CoreShare | None]]:
+    """``share_cpus``, with ``num_slots`` more models of ``slot_size`` engine cores each counted
+    in the plan: the ``--max-loaded-models`` models of ``--models-dir`` that may be loaded at
+    once, whose shares (returned) go to the models loaded into them (``apply_share``)."""
     num_cores = [
         size if config.model.device == "cpu" and config.num_threads is None else None
         for config, size in zip(configs, data_parallel_sizes, strict=True)
     ]
-    shared = []
-    for config, share in zip(configs, plan_cpu_shares(num_cores, available), strict=True):
-        if share is not None:
-            config = dataclasses.replace(
-                config, num_threads=share.num_threads, cpu_ids=share.cpu_ids
-            )
-        shared.append(config)
-    return shared
+    shares = plan_cpu_shares([*num_cores, *[slot_size] * num_slots], available)
+    shared = [
+        apply_share(config, share)
+        for config, share in zip(configs, shares[: len(configs)], strict=True)
+    ]
+    return shared, shares[len(configs) :]
+
+
+def apply_share(config: EngineConfig, share: CoreShare | None) -> EngineConfig:
+    """``config`` on its share; unchanged without one, on a GPU or with its own thread count."""
+    if share is None or config.model.device != "cpu" or config.num_threads is not None:
+        return config
+    return dataclasses.replace(config, num_threads=share.num_threads, cpu_ids=share.cpu_ids)

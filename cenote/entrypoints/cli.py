@@ -1,5 +1,6 @@
 """``cenote serve [MODEL] ...``: the OpenAI-compatible server (also ``python -m cenote serve``);
-several models with ``--model NAME=PATH`` or ``--config`` (entrypoints/model_specs.py)."""
+several models with ``--model NAME=PATH`` or ``--config`` (entrypoints/model_specs.py), and
+models loaded on demand with ``--models-dir`` (server/on_demand.py)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from cenote.engine.cpu_shares import share_cpus
+from cenote.engine.cpu_shares import CoreShare, apply_share, share_cpus_and_slots
 from cenote.engine_args import EngineArgs, HelpFormatter, add_arguments
 from cenote.entrypoints import embed, run_batch
-from cenote.entrypoints.model_specs import ModelSpec, model_specs
+from cenote.entrypoints.model_specs import ModelSpec, model_specs, models_dir_entries
 from cenote.server.state import ServerOptions
 
 if TYPE_CHECKING:
+    from cenote.config import EngineConfig
     from cenote.server.served_models import ServedModels
 
 logger = logging.getLogger("cenote.serve")
@@ -120,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
         max_connections=options.max_connections,
         max_connections_per_client=options.max_connections_per_client,
     ))  # fmt: skip
-    served = _served_models(model_specs(args), options)
+    served = _served_models(model_specs(args), options, EngineArgs.from_cli_args(args))
     config = uvicorn.Config(
         build_app(served), host=options.host, port=options.port, log_level=options.log_level,
         access_log=False, timeout_graceful_shutdown=None, http=protocol,
@@ -144,10 +146,15 @@ def serve(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _served_models(specs: list[ModelSpec], options: ServerOptions) -> ServedModels:
+def _served_models(
+    specs: list[ModelSpec], options: ServerOptions, base: EngineArgs | None = None
+) -> ServedModels:
     """Each model's engine config (with its CPU share when there are several: engine/
-    cpu_shares.py) and state; a model that cannot be read is an error naming it."""
+    cpu_shares.py) and state; a model that cannot be read is an error naming it. The models
+    of ``--models-dir`` take ``base``'s engine options (the command line's; default: the
+    defaults) and are read when they load."""
     from cenote.server.metrics import MetricFamilies
+    from cenote.server.on_demand import LoadPolicy, OnDemandModels
     from cenote.server.served_models import ServedModels
     from cenote.server.state import ServerState
 
@@ -165,15 +172,66 @@ def _served_models(specs: list[ModelSpec], options: ServerOptions) -> ServedMode
             chat_template=options.chat_template if template is None else _chat_template(template),
             data_parallel_size=spec.options.get("data_parallel_size", options.data_parallel_size),
         ))  # fmt: skip
-    if len(specs) > 1 and options.distributed_executor == "process":
+    dir_models = _models_dir(options, configs, specs)
+    num_slots = min(options.max_loaded_models or len(dir_models), len(dir_models))
+    slot_shares: list[CoreShare | None] = [None] * num_slots
+    if len(specs) + len(dir_models) > 1 and options.distributed_executor == "process":
         sizes = [o.data_parallel_size for o in model_options]
-        configs = share_cpus(configs, sizes, sorted(os.sched_getaffinity(0)))
+        configs, slot_shares = share_cpus_and_slots(
+            configs, sizes, sorted(os.sched_getaffinity(0)), num_slots,
+            options.data_parallel_size,
+        )  # fmt: skip
     families = MetricFamilies()
     states = [
         ServerState(config, model_option, families)
         for config, model_option in zip(configs, model_options, strict=True)
     ]
-    return ServedModels(states, options, families)
+    if not dir_models:
+        return ServedModels(states, options, families)
+
+    def make_state(name: str, path: str, slot: int) -> ServerState:
+        engine_args = base if base is not None else EngineArgs()
+        config = dataclasses.replace(engine_args, model=path, served_model_name=name)
+        return ServerState(
+            apply_share(config.create_engine_config(), slot_shares[slot]), options, families
+        )
+
+    policy = LoadPolicy(
+        options.max_loaded_models, options.idle_unload_seconds, options.model_load_timeout
+    )
+    return ServedModels(states, options, families, OnDemandModels(dir_models, policy, make_state))
+
+
+def _models_dir(
+    options: ServerOptions, configs: list[EngineConfig], specs: list[ModelSpec]
+) -> list[tuple[str, str]]:
+    """The models of ``--models-dir`` (none without it); a name also served by ``--model`` /
+    ``--config`` is an error naming both, as are bounds that cannot hold."""
+    if options.models_dir is None:
+        for flag, value in [("--max-loaded-models", options.max_loaded_models),
+                            ("--idle-unload-seconds", options.idle_unload_seconds)]:  # fmt: skip
+            if value is not None:
+                raise ValueError(f"{flag} bounds the models of --models-dir; give --models-dir")
+        return []
+    if options.max_loaded_models is not None and options.max_loaded_models < 1:
+        raise ValueError(f"--max-loaded-models must be >= 1, got {options.max_loaded_models}")
+    if options.idle_unload_seconds is not None and not options.idle_unload_seconds > 0:
+        raise ValueError(f"--idle-unload-seconds must be > 0, got {options.idle_unload_seconds}")
+    if not options.model_load_timeout > 0:
+        raise ValueError(f"--model-load-timeout must be > 0, got {options.model_load_timeout}")
+    entries = models_dir_entries(options.models_dir)
+    served: dict[str, str] = {}  # name -> where it comes from
+    for config, spec in zip(configs, specs, strict=True):
+        origin = f"--model / --config ({spec.engine_args.model})"
+        served[config.model.served_model_name] = origin
+        served.update({m.lora_name: f"a LoRA adapter of {origin}" for m in config.lora.modules})
+    for name, path in entries:
+        if name in served:
+            raise ValueError(
+                f"the model name {name!r} is served twice: by {served[name]} and by {path} "
+                "in --models-dir; rename one"
+            )
+    return entries
 
 
 def _chat_template(value: str | None) -> str | None:

@@ -3,6 +3,8 @@
 - ``cenote serve PATH`` or ``--model PATH``: one model, named by ``--served-model-name`` or its
   folder / file (unchanged);
 - ``--model NAME=PATH`` (repeatable): each model served as NAME;
+- ``--models-dir DIR`` alone: no model is loaded at start (``models_dir_entries``: each
+  model of DIR loads on its first request);
 - ``--config FILE``: a JSON object ``{"models": {"NAME": {"model": PATH, OPTION: VALUE...}}}``
   whose OPTIONs are the engine options (``dtype``, ``max_model_len``,
   ``max_num_batched_tokens``, ``kv_cache_memory_bytes`` (bytes, or "4GiB"), ``quantization``,
@@ -56,6 +58,8 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
     named = [(name, path) for name, path in flags if name is not None]
     from_file = _read_config(args.config) if args.config else {}
     if not named and not from_file:  # the single-model server, as before
+        if base.model is None and getattr(args, "models_dir", None):
+            return []  # only the models of --models-dir, loaded on demand
         return [ModelSpec(None, base, {})]
     if base.served_model_name is not None:
         raise ValueError(
@@ -146,6 +150,31 @@ def _spec_from_file(name: str, options: dict[str, Any], base: EngineArgs) -> Mod
     except TypeError as e:  # EngineArgs checks each value's type
         raise ValueError(f"--config: model {name!r}: {e}") from None
     return ModelSpec(name, engine_args, server_options)
+
+
+def models_dir_entries(folder: str) -> list[tuple[str, str]]:
+    """The models of ``--models-dir``: (name, path) of each folder directly under ``folder``
+    that has a ``config.json`` (a transformers / sentence-transformers folder), named by the
+    folder, and of each ``.gguf`` file there, named by the file without ``.gguf``; sorted."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise ValueError(f"--models-dir {folder}: not a folder")
+    entries = []
+    for path in sorted(root.iterdir()):
+        if path.is_dir() and (path / "config.json").is_file():
+            entries.append((path.name, str(path)))
+        elif path.is_file() and path.suffix == ".gguf":
+            entries.append((path.stem, str(path)))
+    if not entries:
+        raise ValueError(
+            f"--models-dir {folder}: no model in it (a folder with a config.json, or a .gguf "
+            "file, directly under it)"
+        )
+    names = [name for name, _ in entries]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:  # a folder and a .gguf file of the same name
+        raise ValueError(f"--models-dir {folder}: two models are named {repeated}; rename one")
+    return entries
 
 
 def _check_unique(names: list[str]) -> None:

@@ -22,6 +22,7 @@ from cenote.server import (
     routes_cohere,
     routes_generate,
     routes_lora,
+    routes_models,
     routes_pooling,
     routes_scoring,
     routes_sparse,
@@ -40,6 +41,7 @@ from cenote.server.errors import (
     install_error_handlers,
     tei_error_response,
 )
+from cenote.server.on_demand import OnDemandModel, current_leases
 from cenote.server.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -55,8 +57,6 @@ from cenote.server.protocol import (
 from cenote.server.responses import (
     DetokenizeResponse,
     HealthResponse,
-    ModelCard,
-    ModelList,
     VersionResponse,
     any_of,
     install_openapi,
@@ -88,6 +88,7 @@ def build_app(served: ServedModels) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(router)
+    app.include_router(routes_models.router)  # /v1/models, /models/load, /models/unload
     app.include_router(routes_pooling.router)
     app.include_router(routes_sparse.router)  # TEI /embed_sparse
     app.include_router(routes_scoring.router)
@@ -127,6 +128,8 @@ class FrontDoor:
         status = 500
         timings = timing.RequestTimings()  # filled by the handler (cenote/server/timing.py)
         token = timing.current_timings.set(timings)
+        leases: list[OnDemandModel] = []  # the --models-dir models the handler routes to
+        leases_token = current_leases.set(leases)
 
         async def send_with_status(message: Message) -> None:
             nonlocal status
@@ -145,6 +148,9 @@ class FrontDoor:
                 await self.app(scope, self._bounded(receive), send_with_status)
         finally:
             timing.current_timings.reset(token)
+            current_leases.reset(leases_token)
+            if self.served.on_demand is not None:  # the response is sent: they may unload
+                self.served.on_demand.release(leases)
             self.served.metrics.record_request(self._endpoint(scope, path), status)
 
     def _check(self, scope: Scope) -> APIError | None:
@@ -193,11 +199,12 @@ async def health(raw_request: Request) -> JSONResponse:
     """One model: ok, degraded (data parallel, some cores gone) or 503 (starting, dead, hung).
     Several: each model's entry under ``models`` (``ServedModels.health``)."""
     served = get_served(raw_request)
-    if len(served.states) > 1:
+    if len(served.states) > 1 or served.on_demand is not None:
         status, body = served.health()
         if status != 200:
             raise Unavailable(f"not ready: {body['message']}")
         return JSONResponse(body)
+    assert served.default is not None  # one --model model
     problem = served.default.health_problem()
     if problem is None:
         return JSONResponse({"status": "ok"})
@@ -211,51 +218,6 @@ async def health(raw_request: Request) -> JSONResponse:
 @router.get("/version", responses=schema(VersionResponse, 401))
 async def version() -> JSONResponse:
     return JSONResponse({"version": cenote.__version__})
-
-
-def _adapter_card(state: ServerState, name: str) -> dict[str, Any]:
-    """A served LoRA adapter: its base model is its ``parent`` (vLLM's card)."""
-    return {**_model_card(state), "id": name, "root": name, "parent": state.model_name}
-
-
-def _model_card(state: ServerState) -> dict[str, Any]:
-    cores = [
-        {"num_threads": threads, "cpu_ids": list(cpu_ids)}
-        for threads, cpu_ids in state.client.threads_by_core
-    ]
-    return {
-        "id": state.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "cenote",
-        "root": state.model_name,  # the served name: no path of this machine
-        "parent": None,
-        "max_model_len": state.model_config.max_model_len,
-        "supported_tasks": list(state.supported_tasks),
-        "engine_cores": cores,  # each engine core's torch threads and CPUs, once started
-    }
-
-
-@router.get("/v1/models", responses=schema(ModelList, 401))
-async def list_models(raw_request: Request) -> JSONResponse:
-    served = get_served(raw_request)
-    cards = [
-        card
-        for state in served.states.values()
-        for card in (
-            _model_card(state),
-            *(_adapter_card(state, name) for name in state.adapters),
-        )
-    ]
-    return JSONResponse({"object": "list", "data": cards})
-
-
-@router.get("/v1/models/{model:path}", responses=schema(ModelCard, 401, 404))
-async def retrieve_model(model: str, raw_request: Request) -> JSONResponse:
-    state = get_served(raw_request).named(model)  # 404 unless a model or a served adapter
-    if state.check_model(model) is not None:
-        return JSONResponse(_adapter_card(state, model))
-    return JSONResponse(_model_card(state))
 
 
 @router.get(
@@ -285,12 +247,12 @@ async def tokenize(raw_request: Request) -> Response:
         parsed = TokenizeRequest.model_validate(body)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
-    state = get_state(raw_request, parsed.model)
+    state = await get_state(raw_request, parsed.model)
     return JSONResponse(await state.offload(_tokenize, state, parsed))  # off the event loop
 
 
 async def _tei_tokenize(body: TEITokenizeRequest, raw_request: Request) -> Response:
-    state = get_state(raw_request)
+    state = await get_state(raw_request)
     return JSONResponse(await state.offload(routes_tei.tei_tokenize, state, body))
 
 
@@ -319,7 +281,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
 
 @router.post("/detokenize", responses=schema(DetokenizeResponse, 400, 401, 404, 413, 503))
 async def detokenize(body: DetokenizeRequest, raw_request: Request) -> JSONResponse:
-    state = get_state(raw_request, body.model)
+    state = await get_state(raw_request, body.model)
     state.check_model(body.model)
     vocab = state.model_config.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -362,7 +324,7 @@ async def invocations(raw_request: Request) -> Response:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     named = body.get("model")  # a wrong type is refused by the body's own validation
-    state = get_state(raw_request, named if isinstance(named, str) else None)
+    state = await get_state(raw_request, named if isinstance(named, str) else None)
     handler, model = _invocation_target(state, body)
     try:
         parsed = model.model_validate(body)

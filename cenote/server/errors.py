@@ -32,6 +32,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
@@ -71,6 +72,7 @@ def _status_error(name: str, status: int) -> type[APIError]:
 BadRequest = _status_error("BadRequest", 400)
 Unauthorized = _status_error("Unauthorized", 401)
 ModelNotFound = _status_error("ModelNotFound", 404)
+Conflict = _status_error("Conflict", 409)
 PayloadTooLarge = _status_error("PayloadTooLarge", 413)
 Overloaded = _status_error("Overloaded", 429)
 Unavailable = _status_error("Unavailable", 503)
@@ -111,6 +113,7 @@ _STATUS_DESCRIPTIONS = {
     400: "Invalid request: bad JSON, a wrong or unknown field, or input the model cannot take",
     401: "Missing or wrong API key",
     404: "Unknown model",
+    409: "The model is not in a state that allows it (e.g. unloading a model that is not loaded)",
     413: "Request body too large",
     429: "Overloaded: retry after the Retry-After header's seconds",
     500: "A bug: a request that failed inside the engine, or an internal error (with an id "

@@ -55,6 +55,13 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class ModelStatus(BaseModel):
+    """Whether a model is loaded (llama.cpp's router: ``status.value``)."""
+
+    value: Literal["loaded", "loading", "unloading", "unloaded", "failed"]
+    reason: str | None = None  # why it failed
+
+
 class ModelCard(BaseModel):
     id: str  # the served model name (never a path)
     object: Literal["model"]
@@ -62,9 +69,17 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str  # the served model name
     parent: str | None = None
-    max_model_len: int
+    max_model_len: int | None  # null for a --models-dir model not loaded
     supported_tasks: list[str]
     engine_cores: list[EngineCore]  # once started (cenote serve --model: the CPU policy)
+    status: ModelStatus
+
+
+class ModelStatusResponse(BaseModel):
+    """POST /models/load and /models/unload."""
+
+    model: str
+    status: Literal["loaded", "unloaded"]
 
 
 class ModelList(BaseModel):

@@ -45,7 +45,7 @@ class CohereEmbedRequest(_Body):
 @router.post("/v2/embed", responses=schema(CohereEmbedResponse))
 @with_cancellation
 async def create_embed_v2(body: CohereEmbedRequest, raw_request: Request) -> Response:
-    state = get_state(raw_request, body.model, "embed")
+    state = await get_state(raw_request, body.model, "embed")
     # 1) Cohere's fields as the shared pooling body: one path with every pooling route
     request = _pooling_request(state, body)
     types = list(dict.fromkeys(body.embedding_types or ["float"]))  # once each, in order

@@ -32,7 +32,7 @@ router = APIRouter(route_class=JSONRoute)
 
 @router.post("/v1/completions", responses=schema(CompletionResponse, stream=True))
 async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
-    state = get_state(raw_request, body.model, "generate")
+    state = await get_state(raw_request, body.model, "generate")
     with timing.tokenization():
         job = await state.offload(_job, state, body)  # tokenization off the event loop
     return await job.respond(raw_request)
@@ -40,7 +40,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
 
 @router.post("/v1/chat/completions", responses=schema(ChatCompletionResponse, stream=True))
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
-    state = get_state(raw_request, body.model, "generate")
+    state = await get_state(raw_request, body.model, "generate")
     with timing.tokenization():
         job = await state.offload(_job, state, body)  # template + tokenizer off the event loop
     return await job.respond(raw_request)

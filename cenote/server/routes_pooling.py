@@ -38,7 +38,7 @@ _EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 @router.post("/v1/embeddings", responses=schema(EmbeddingResponse, binary=True))
 @with_cancellation
 async def create_embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
-    state = get_state(raw_request, body.model, "embed_sparse" if body.sparse else "embed")
+    state = await get_state(raw_request, body.model, "embed_sparse" if body.sparse else "embed")
     if body.encoding_format in QUANTIZED:
         return await quantized_embeddings(state, body)
     if body.sparse:  # cenote extension: sparse embeddings (routes_sparse.py)
@@ -124,7 +124,7 @@ async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response
             "answers float, base64 or bytes",
             param="encoding_format",
         )
-    state = get_state(raw_request, body.model, body.task)
+    state = await get_state(raw_request, body.model, body.task)
     task = body.task or _default_pooling_task(state)
     outputs, request_id = await pool(state, body, task, "pool")
     return await respond(state, request_id, outputs, body, "pooling")

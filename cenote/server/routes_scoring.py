@@ -44,7 +44,7 @@ router = APIRouter(route_class=JSONRoute)
 @router.post("/classify", responses=schema(ClassificationResponse))
 @with_cancellation
 async def create_classify(body: ClassificationRequest, raw_request: Request) -> Response:
-    state = get_state(raw_request, body.model, "classify")
+    state = await get_state(raw_request, body.model, "classify")
     outputs, request_id = await pool(state, body, "classify", "classify")
     data = []
     for i, out in enumerate(outputs):
@@ -63,7 +63,7 @@ async def create_classify(body: ClassificationRequest, raw_request: Request) -> 
 @router.post("/v1/score", responses=schema(ScoreResponse))
 @with_cancellation
 async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
-    state = get_state(raw_request, body.model, SCORE_TASK)
+    state = await get_state(raw_request, body.model, SCORE_TASK)
     text_1, text_2 = body.texts()
     scores, outputs, request_id, _ = await _score(state, body, text_1, text_2, "score")
     data = [
@@ -97,7 +97,7 @@ async def rerank(raw_request: Request) -> Response:
 async def create_rerank(body: RerankRequest, raw_request: Request) -> Response:
     """Jina's shape: ``{id, model, usage, results: [{index, relevance_score, document}]}``;
     ``usage.truncated_documents`` counts the documents cut to fit."""
-    state = get_state(raw_request, body.model, SCORE_TASK)
+    state = await get_state(raw_request, body.model, SCORE_TASK)
     results, num_tokens, num_cut, request_id = await _rerank(state, body, return_documents=True)
     usage = {
         "prompt_tokens": num_tokens,
@@ -119,7 +119,7 @@ async def create_rerank(body: RerankRequest, raw_request: Request) -> Response:
 async def create_rerank_v2(body: RerankRequest, raw_request: Request) -> Response:
     """Cohere v2's shape: ``{id, results: [{index, relevance_score, document?}], meta}``;
     ``meta.warnings`` says when documents were cut to fit."""
-    state = get_state(raw_request, body.model, SCORE_TASK)
+    state = await get_state(raw_request, body.model, SCORE_TASK)
     results, num_tokens, num_cut, request_id = await _rerank(state, body, return_documents=False)
     meta: dict[str, Any] = {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}
     if num_cut:
@@ -145,7 +145,7 @@ async def tei_rerank(body: TEIRerankRequest, raw_request: Request) -> Response:
     """TEI's rerank: every text by score, best first (ties in input order), ``[{index, score,
     text?}]``. ``truncate``: documents too long are cut to fit (the query is kept whole);
     without it a pair too long for the model is refused."""
-    state = get_state(raw_request, task=SCORE_TASK)
+    state = await get_state(raw_request, task=SCORE_TASK)
     if not body.texts:
         raise EmptyBatch("`texts` cannot be empty: send at least one text")
     check_query(body.query)

@@ -32,7 +32,7 @@ class SparseEmbedRequest(_Body):
 @router.post("/embed_sparse", responses=schema(None))
 @with_cancellation
 async def embed_sparse(body: SparseEmbedRequest, raw_request: Request) -> JSONResponse:
-    state = get_state(raw_request, task="embed_sparse")
+    state = await get_state(raw_request, task="embed_sparse")
     # TEI's body as the shared pooling body: one path for every pooling route
     request = PoolingRequest(
         input=body.inputs,

@@ -72,7 +72,7 @@ async def _vectors(state: ServerState, tensors: list[torch.Tensor]) -> Response:
 @router.post("/embed", responses=tei_schema(TEIEmbedResponse))
 @with_cancellation
 async def embed(body: TEIEmbedRequest, raw_request: Request) -> Response:
-    return await _embed(body, get_state(raw_request, task="embed"))
+    return await _embed(body, await get_state(raw_request, task="embed"))
 
 
 async def _embed(body: TEIEmbedRequest, state: ServerState) -> Response:
@@ -93,7 +93,7 @@ async def _embed(body: TEIEmbedRequest, state: ServerState) -> Response:
 async def embed_all(body: TEIEmbedAllRequest, raw_request: Request) -> Response:
     """Every token's embedding (the special tokens' too), as the model's last layer gives it:
     not normalized, as TEI's."""
-    state = get_state(raw_request, task="token_embed")
+    state = await get_state(raw_request, task="token_embed")
     require_task(state, "token_embed", "/embed_all", "a model with token embeddings")
     request = PoolingRequest(
         normalize=False,
@@ -108,7 +108,7 @@ async def embed_all(body: TEIEmbedAllRequest, raw_request: Request) -> Response:
 @router.post("/predict", responses=tei_schema(TEIPredictResponse))
 @with_cancellation
 async def predict(body: TEIPredictRequest, raw_request: Request) -> Response:
-    return await _predict(body, get_state(raw_request, task="classify"))
+    return await _predict(body, await get_state(raw_request, task="classify"))
 
 
 async def _predict(body: TEIPredictRequest, state: ServerState) -> Response:
@@ -134,7 +134,7 @@ async def _predict(body: TEIPredictRequest, state: ServerState) -> Response:
 @router.post("/similarity", responses=tei_schema(TEISimilarityResponse))
 @with_cancellation
 async def similarity(body: TEISimilarityRequest, raw_request: Request) -> Response:
-    return await _similarity(body, get_state(raw_request, task="embed"))
+    return await _similarity(body, await get_state(raw_request, task="embed"))
 
 
 async def _similarity(body: TEISimilarityRequest, state: ServerState) -> Response:
@@ -161,7 +161,7 @@ async def _similarity(body: TEISimilarityRequest, state: ServerState) -> Respons
 
 @router.post("/decode", responses=tei_schema(TEIDecodeResponse))
 async def decode(body: TEIDecodeRequest, raw_request: Request) -> Response:
-    state = get_state(raw_request)
+    state = await get_state(raw_request)
     ids = body.ids
     # [] is one empty id list (its text is ""), as TEI reads it
     batch: list[list[int]] = [ids] if not ids or isinstance(ids[0], int) else ids  # type: ignore[list-item]
@@ -220,7 +220,7 @@ def _byte_offsets(text: str) -> list[int]:
 @router.get("/info", responses=tei_schema(TEIInfo))
 async def info(raw_request: Request) -> JSONResponse:
     """The served model and this server's limits, in TEI's shape."""
-    state = get_state(raw_request)
+    state = await get_state(raw_request)
     engine, options = state.engine_config, state.options
     max_running = engine.scheduler.max_num_seqs
     return JSONResponse(
@@ -279,7 +279,7 @@ async def root(raw_request: Request) -> Response:
     ``InferenceClient(base_url).feature_extraction`` calls): ``query`` + ``texts``: rerank;
     ``inputs`` with ``source_sentence``: similarity; otherwise by the (first) model's tasks:
     embeddings, sparse embeddings or classification."""
-    state = get_state(raw_request)
+    state = await get_state(raw_request)
     body = await raw_request.json()
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -289,7 +289,7 @@ async def root(raw_request: Request) -> Response:
             return await tei_rerank(TEIRerankRequest.model_validate(body), raw_request=raw_request)  # type: ignore[no-any-return]
         if isinstance(body.get("inputs"), dict):
             similarity = TEISimilarityRequest.model_validate(body)
-            return await _similarity(similarity, get_state(raw_request, task="embed"))
+            return await _similarity(similarity, await get_state(raw_request, task="embed"))
         if "embed" in tasks:
             return await _embed(TEIEmbedRequest.model_validate(body), state)
         if "embed_sparse" in tasks:

@@ -201,6 +201,28 @@ class ServerOptions:
         "mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): LoRA adapters "
         "served by name are added and removed while the server runs",
     )
+    models_dir: str | None = option(
+        None,
+        "serve every model folder (with a config.json) and .gguf file directly under this "
+        "folder by its name (folder name, file name without .gguf), loaded by its first request",
+        shown="none",
+    )
+    max_loaded_models: int | None = option(
+        None,
+        "--models-dir models loaded at once; loading one more first unloads the least recently "
+        "used idle one (when all are busy, the load waits, up to --model-load-timeout)",
+        shown="no bound",
+    )
+    idle_unload_seconds: float | None = option(
+        None,
+        "unload a --models-dir model that has had no request for this many seconds",
+        shown="never",
+    )
+    model_load_timeout: float = option(
+        300.0,
+        "seconds a request waits for its --models-dir model to load (longer: 503; the load "
+        "goes on)",
+    )
     # not command-line options
     engine_dead_exit_delay_s: float = 2.0  # keep answering 503 this long before exiting
     blocking_threads: int = 2  # threads for tokenization, chat templates and big JSON bodies
@@ -294,6 +316,11 @@ class ServerState:
         )  # fmt: skip
         template = self.input_processor.chat_template
         self.tool_format = tool_call_format(self.options.tool_call_parser, template)
+
+    async def close(self) -> None:
+        """Shut the engine cores down (they exit) and the front's worker threads."""
+        await self.client.shutdown()
+        self._blocking.shutdown(wait=False)
 
     def _on_dead(self, reason: str) -> None:
         if self.on_engine_dead is not None:
@@ -466,11 +493,13 @@ def new_request_id(prefix: str, given: str | None = None) -> str:
     return given or f"{prefix}-{uuid.uuid4().hex}"
 
 
-def get_state(request: Request, model: str | None = None, task: str | None = None) -> ServerState:
+async def get_state(
+    request: Request, model: str | None = None, task: str | None = None
+) -> ServerState:
     """The model ``request`` is for: the one its body names (``model``), else the first that
-    serves ``task`` (``ServedModels.get``: 404 for an unknown name, 503 for a model that is
-    not running)."""
-    return get_served(request).get(model, task)
+    serves ``task`` (``ServedModels.route``: 404 for an unknown name, 503 for a model that is
+    not running; a ``--models-dir`` model is loaded first)."""
+    return await get_served(request).route(model, task)
 
 
 def get_served(request: Request) -> ServedModels:
