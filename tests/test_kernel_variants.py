@@ -4,7 +4,7 @@ A native build compiles only this CPU's ``#if`` branches, so on an AVX-512 machi
 scalar code (what AVX2-only CPUs run) would never be compiled or tested. Each variant here is
 built with ``CENOTE_KERNEL_ARCH`` in a subprocess (its attention ops register the same torch
 namespace as the native build's) and runs a representative subset of the kernel tests: every
-op family (quantized row kernels for 4 and 8 bits, dequantize, norms, SiLU-and-mul, rotary,
+op family (quantized row kernels for 4 and 8 bits, fp32 and 8-bit activations, dequantize, norms, SiLU-and-mul, rotary,
 argmax, token bitmask, varlen and paged attention, the decode stack) and, for AVX2, SmolLM2's
 GGUF end to end.
 The builds live in the suite's own kernel cache, so only a run after a kernel source changed
@@ -44,6 +44,7 @@ CHECKS = [
     "test_quant.py::test_fused_projection_of_mixed_formats",
     "test_quant.py::test_dense_copy_serves_steps_of_many_rows",
     "test_quant.py::test_bad_kernel_arguments_raise_clearly",
+    "test_quant_q8.py",
     "test_fused_ops.py",
     "test_attention.py::test_varlen_kernel_bf16_head_sizes",
     "test_attention.py::test_varlen_kernel_runs_micro_kernels_where_bf16_is_native",

@@ -46,6 +46,7 @@ _QUANT_SOURCES = [
     _HERE / "fused_ops.cpp",
     _HERE / "decode_stack.cpp",
     _HERE / "int8_linear.cpp",
+    _HERE / "q8_linear.cpp",
 ]
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so dequantized values
 # and the fused elementwise ops round exactly as torch and gguf do
@@ -89,6 +90,21 @@ class QuantOps(Protocol):
     ) -> torch.Tensor:
         """``x [M, K] bf16 @ dequant(q [N, K]).T`` -> bf16 ``[M, N]`` on AVX512-BF16 dot
         products, the weights as a dense bf16 copy holds them (groups of 32)."""
+        ...
+
+    def quant_matmul_q8(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        mn: torch.Tensor | None,
+        bits: int,
+        group: int,
+        /,
+    ) -> torch.Tensor:
+        """``x [M <= 8, K] @ dequant(q [N, K]).T`` -> ``[M, N]`` in ``x``'s dtype (fp32 or
+        bf16), each row of ``x`` quantized to int8 per block of 32 (GGUF Q8_0) and multiplied
+        on integer dot products (AVX2 ``vpmaddubsw``, AVX512-VNNI ``vpdpbusd``); groups of 32."""
         ...
 
     def quant_dot_supported(self) -> bool:

@@ -927,6 +927,9 @@ void add_layer_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
                      const at::Tensor& weight, const at::Tensor& bias, double eps);
 // decode_stack.cpp
 void bind_decode_stack(pybind11::module& m);
+// q8_linear.cpp
+at::Tensor quant_matmul_q8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group);
 // int8_linear.cpp
 bool int8_supported();
 std::vector<at::Tensor> int8_pack(const at::Tensor& weight);
@@ -939,6 +942,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "dense weight of a quantized one");
   m.def("quant_matmul_dot", &quant_matmul_dot, "x @ dequant(w).T of bf16 rows on bf16 dots");
   m.def("quant_dot_supported", &quant_dot_supported, "whether quant_matmul_dot runs here");
+  m.def("quant_matmul_q8", &quant_matmul_q8, "x @ dequant(w).T with x quantized to 8 bits");
   m.def("compiled_isa", &compiled_isa, "the vector extensions this build was compiled with");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection");
