@@ -8,7 +8,8 @@ op family (quantized row kernels for 4 and 8 bits, fp32 and 8-bit activations, d
 argmax, token bitmask, varlen and paged attention, the decode stack) and, for AVX2, SmolLM2's
 GGUF end to end.
 The builds live in the suite's own kernel cache, so only a run after a kernel source changed
-pays for them (about 45 s a variant on 2 cores; docs/performance.md).
+pays for them (65-93 s a variant on 2 shared cores, 18-22 s once built;
+docs/performance.md).
 """
 
 from __future__ import annotations
