@@ -4,12 +4,11 @@ A native build compiles only this CPU's ``#if`` branches, so on an AVX-512 machi
 scalar code (what AVX2-only CPUs run) would never be compiled or tested. Each variant here is
 built with ``CENOTE_KERNEL_ARCH`` in a subprocess (its attention ops register the same torch
 namespace as the native build's) and runs a representative subset of the kernel tests: every
-op family (quantized row kernels for 4 and 8 bits, fp32 and 8-bit activations, dequantize, norms, SiLU-and-mul, rotary,
-argmax, token bitmask, varlen and paged attention, the decode stack) and, for AVX2, SmolLM2's
-GGUF end to end.
-The builds live in the suite's own kernel cache, so only a run after a kernel source changed
-pays for them (65-93 s a variant on 2 shared cores, 18-22 s once built;
-docs/performance.md).
+op family (quantized row kernels for 4 and 8 bits with fp32 and with 8-bit activations,
+dequantize, norms, SiLU-and-mul, rotary, argmax, token bitmask, varlen and paged attention, the
+decode stack) and, for AVX2, SmolLM2's GGUF end to end. The builds live in the suite's own kernel
+cache, so only a run after a kernel source changed pays for them (65-93 s a variant on 2 shared
+cores, 18-22 s once built; docs/performance.md).
 """
 
 from __future__ import annotations
