@@ -1,7 +1,7 @@
 """C++ kernels compiled at first use for this machine's CPU, cached on disk.
 
 Two extensions, each built by ``build_extension`` with torch's extension tooling (``-O3
--march=native``, so a build is valid only on the CPU kind it was made on):
+-march=<arch>``; ``native`` by default, so a build is valid only on the CPU kind it was made on):
 
 - ``quant_ops()``: weight-only quantized matmuls (quant_linear.cpp) and the fused
   decoder-layer steps (fused_ops.cpp), a Python module;
@@ -11,7 +11,13 @@ Two extensions, each built by ``build_extension`` with torch's extension tooling
 Where a build fails (no C++ compiler, ``CENOTE_DISABLE_KERNELS=1``) the caller gets None and falls
 back to plain torch, with one log line saying why. A build takes under a minute once; the result
 lives under ``$CENOTE_CACHE_DIR/kernels`` (default ``~/.cache/cenote/kernels``) in a folder named
-by a hash of the sources, their path, torch's version, the flags and the CPU's model and flags.
+by a hash of the sources, their path, torch's version, the flags and (for ``native``) the CPU's
+model and flags.
+
+``CENOTE_KERNEL_ARCH`` picks the instruction set the kernels are compiled for: ``native`` (this
+CPU), ``x86-64-v3`` (AVX2 + FMA + F16C, the kernels' AVX2 branches) or ``x86-64`` (SSE2 only,
+their scalar branches). The arch is part of the build's identity, so the variants live side by
+side in the cache; the tests build and run the non-native ones on any x86 machine.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import platform
 import threading
 from collections.abc import Callable, Iterator
 from functools import cache
@@ -39,10 +46,18 @@ _QUANT_SOURCES = [
     _HERE / "fused_ops.cpp",
     _HERE / "decode_stack.cpp",
     _HERE / "int8_linear.cpp",
+    _HERE / "q8_linear.cpp",
 ]
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so dequantized values
 # and the fused elementwise ops round exactly as torch and gguf do
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+# each arch's /proc/cpuinfo flags that its code needs (x86-64-v3 also needs bmi1, lzcnt and
+# xsave, which every CPU with these has)
+KERNEL_ARCHES: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "x86-64-v3": ("avx2", "fma", "f16c", "bmi2", "movbe"),
+    "x86-64": (),
+}
 _lock = threading.Lock()
 
 
@@ -77,8 +92,29 @@ class QuantOps(Protocol):
         products, the weights as a dense bf16 copy holds them (groups of 32)."""
         ...
 
+    def quant_matmul_q8(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        mn: torch.Tensor | None,
+        bits: int,
+        group: int,
+        /,
+    ) -> torch.Tensor:
+        """``x [M <= 8, K] @ dequant(q [N, K]).T`` -> ``[M, N]`` in ``x``'s dtype (fp32 or
+        bf16), each row of ``x`` quantized to int8 per block of 32 (GGUF Q8_0) and multiplied
+        on integer dot products (AVX2 ``vpmaddubsw``, AVX512-VNNI ``vpdpbusd``); groups of 32."""
+        ...
+
     def quant_dot_supported(self) -> bool:
         """Whether ``quant_matmul_dot`` runs on this CPU (AVX512-BF16)."""
+        ...
+
+    def compiled_isa(self) -> list[str]:
+        """The vector extensions the build was compiled with (``avx2``, ``fma``, ``f16c``,
+        ``avx512f``, ``avx512bw``, ``avx512vnni``, ``avx512bf16``): which ``#if`` branches of
+        the kernels it runs."""
         ...
 
     def quant_dequantize(
@@ -273,41 +309,80 @@ def cpu_features() -> tuple[str, ...]:
         "amx_bf16",
         "amx_int8",
     )
-    flags = set()
+    flags = _cpu_flags()
+    return tuple(flag for flag in wanted if flag in flags)
+
+
+def _cpu_flags() -> set[str]:
     for line in cpu_identity().splitlines():
         if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    return tuple(flag for flag in wanted if flag in flags)
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def kernel_arch() -> str:
+    """The instruction set the kernels are compiled for: ``$CENOTE_KERNEL_ARCH`` (default
+    ``native``). Raises ValueError for an unknown name, or for an arch whose instructions this
+    CPU lacks (its kernels would die on an illegal instruction)."""
+    arch = os.environ.get("CENOTE_KERNEL_ARCH", "native") or "native"
+    if arch not in KERNEL_ARCHES:
+        raise ValueError(f"CENOTE_KERNEL_ARCH={arch!r} is not one of {', '.join(KERNEL_ARCHES)}")
+    if arch != "native" and platform.machine() != "x86_64":
+        raise ValueError(
+            f"CENOTE_KERNEL_ARCH={arch} is an x86-64 arch; this is {platform.machine()}"
+        )
+    missing = [flag for flag in KERNEL_ARCHES[arch] if flag not in _cpu_flags()]
+    if missing:
+        raise ValueError(
+            f"CENOTE_KERNEL_ARCH={arch} needs CPU features this CPU lacks: {', '.join(missing)}"
+        )
+    return arch
+
+
+def build_flags(arch: str) -> list[str]:
+    """The compiler flags of a build for ``arch`` (one of ``KERNEL_ARCHES``)."""
+    return [*_FLAGS, f"-march={arch}"]
+
+
+def extension_name(
+    prefix: str, sources: list[Path], headers: list[Path], arch: str, torch_version: str
+) -> str:
+    """The build's identity, as the extension's (and its cache folder's) name:
+    ``prefix[_arch]_<hash>`` of the sources and headers, their path, torch's version, the flags
+    and, for ``native`` alone, this CPU's model and flags."""
+    identity = "\n".join(
+        [
+            *(path.read_text(encoding="utf-8") for path in [*sources, *headers]),
+            *(str(source) for source in sources),  # two checkouts must not rebuild each other's
+            torch_version,
+            *build_flags(arch),
+            cpu_identity() if arch == "native" else "",
+        ]
+    )
+    variant = "" if arch == "native" else "_" + arch.replace("-", "_")
+    return f"{prefix}{variant}_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
 def build_extension(
     prefix: str, sources: list[Path], *, python_module: bool, headers: list[Path] | None = None
 ) -> ModuleType | None:
-    """Build (or load the cached build of) ``sources`` as extension ``prefix_<hash>``
-    (``headers``: the local headers they include, part of the hash).
+    """Build (or load the cached build of) ``sources`` for ``kernel_arch()`` as extension
+    ``extension_name(...)`` (``headers``: the local headers they include, part of the hash).
 
     Raises what the build raises; returns the module (``python_module``) or None (a library of
     TORCH_LIBRARY ops, reached through ``torch.ops``)."""
     import torch
     from torch.utils.cpp_extension import load
 
-    identity = "\n".join(
-        [
-            *(path.read_text(encoding="utf-8") for path in [*sources, *(headers or [])]),
-            *(str(source) for source in sources),  # two checkouts must not rebuild each other's
-            torch.__version__,
-            *_FLAGS,
-            cpu_identity(),
-        ]
-    )
-    name = f"{prefix}_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+    arch = kernel_arch()
+    name = extension_name(prefix, sources, headers or [], arch, torch.__version__)
     build_dir = kernel_cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     with _build_turn(build_dir):
         module = load(
             name=name,
             sources=[str(source) for source in sources],
-            extra_cflags=_FLAGS,
+            extra_cflags=build_flags(arch),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=python_module,

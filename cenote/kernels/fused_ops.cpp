@@ -15,7 +15,7 @@
 //   layer_norm_(x [T, D] bf16, weight [D], bias [D], eps): torch's LayerNorm, in place
 //   add_layer_norm_(x, residual?, weight, bias, eps): x = LayerNorm(x + residual), the sum in fp32
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -17,7 +17,7 @@
 // (fake-quantized in fp32). Weights are packed in blocks of 64 output channels, each
 // [K4 / 4][64][4] (VNNI quads along K, K padded to K4 = a multiple of 4 with zero weights).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 

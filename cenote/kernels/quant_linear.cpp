@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 #include <immintrin.h>
 
@@ -832,6 +833,34 @@ void quant_w4_bf16_rows(const at::Tensor& x, const at::Tensor& q, const at::Tens
 
 }  // namespace
 
+// The vector extensions this build was compiled with (which of the kernels' #if branches it
+// holds), e.g. "avx2 fma f16c": the tests check that each arch variant took its own branches.
+std::vector<std::string> compiled_isa() {
+  std::vector<std::string> isa;
+#if defined(__AVX2__)
+  isa.push_back("avx2");
+#endif
+#if defined(__FMA__)
+  isa.push_back("fma");
+#endif
+#if defined(__F16C__)
+  isa.push_back("f16c");
+#endif
+#if defined(__AVX512F__)
+  isa.push_back("avx512f");
+#endif
+#if defined(__AVX512BW__)
+  isa.push_back("avx512bw");
+#endif
+#if defined(__AVX512VNNI__)
+  isa.push_back("avx512vnni");
+#endif
+#if defined(__AVX512BF16__)
+  isa.push_back("avx512bf16");
+#endif
+  return isa;
+}
+
 // Whether quant_matmul_dot runs here: it needs AVX512-BF16's dot-product instruction.
 bool quant_dot_supported() {
 #if defined(__AVX512BF16__)
@@ -898,6 +927,9 @@ void add_layer_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
                      const at::Tensor& weight, const at::Tensor& bias, double eps);
 // decode_stack.cpp
 void bind_decode_stack(pybind11::module& m);
+// q8_linear.cpp
+at::Tensor quant_matmul_q8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group);
 // int8_linear.cpp
 bool int8_supported();
 std::vector<at::Tensor> int8_pack(const at::Tensor& weight);
@@ -910,6 +942,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "dense weight of a quantized one");
   m.def("quant_matmul_dot", &quant_matmul_dot, "x @ dequant(w).T of bf16 rows on bf16 dots");
   m.def("quant_dot_supported", &quant_dot_supported, "whether quant_matmul_dot runs here");
+  m.def("quant_matmul_q8", &quant_matmul_q8, "x @ dequant(w).T with x quantized to 8 bits");
+  m.def("compiled_isa", &compiled_isa, "the vector extensions this build was compiled with");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k heads, in place");

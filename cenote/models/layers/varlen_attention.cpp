@@ -378,15 +378,17 @@ void share_tasks(int64_t n, F&& worker) {
 }
 
 // Whether the bf16 path runs here: the CPU multiplies bf16 natively (AMX, where
-// cpublas::could_pack is true, or AVX512-BF16, which this build was compiled for with
-// -march=native; could_pack is false there, as its micro-kernels need no packing beyond the VNNI
-// pairs this kernel writes) and torch's brgemm gives the right product on a small check, once.
-// Elsewhere (AVX2 only, or a torch without the micro-kernels) brgemm would fail or crawl.
+// cpublas::could_pack is true, or AVX512-BF16, asked of the CPU at run time so that a build for
+// another arch (CENOTE_KERNEL_ARCH) takes the path too: the micro-kernels are torch's, not this
+// file's; could_pack is false there, as they need no packing beyond the VNNI pairs this kernel
+// writes) and torch's brgemm gives the right product on a small check, once. Elsewhere (AVX2
+// only, or a torch without the micro-kernels) brgemm would fail or crawl.
 bool bf16_micro_kernels() {
   static const bool ok = [] {
     bool native = cpublas::could_pack(at::kBFloat16);
-#if defined(__AVX512BF16__)
-    native = true;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    native = native || __builtin_cpu_supports("avx512bf16");
 #endif
     if (!native) return false;
     constexpr int64_t M = 2, N = 64, K = 32;
