@@ -23,6 +23,7 @@ from cenote.models.layers.attention_plan import paged_plan
 from cenote.models.layers.norm import LayerNorm
 from cenote.platform import (
     check_device_options,
+    num_gpu_kv_blocks,
     pack,
     resolve_device,
     runs_cpu_kernels,
@@ -30,6 +31,7 @@ from cenote.platform import (
     unpack,
 )
 from cenote.runner.batch import build_input_batch
+from cenote.runner.memory_profile import dummy_prompt_lengths, graph_reserve_bytes
 from cenote.sampling.sampler import numpy_mask_allowed, torch_mask_allowed
 from cenote.scheduler.output import ScheduledRequest
 
@@ -77,6 +79,101 @@ def test_cpu_options_and_cpu_kernels_are_refused_on_cuda() -> None:
             check_device_options("cuda", num_threads=None, quantization=method)
     check_device_options("cuda", num_threads=None, quantization="none")
     check_device_options("cpu", num_threads=4, quantization="w8a8")  # the CPU has them all
+
+
+@pytest.mark.parametrize("utilization", [0.0, -0.5, 1.01, 9.0])
+def test_gpu_memory_utilization_outside_0_1_is_refused_with_the_number(utilization) -> None:
+    for device in ("cuda", "cpu"):
+        with pytest.raises(ValueError, match=rf"must be in \(0, 1\], got {utilization}"):
+            check_device_options(
+                device, num_threads=None, quantization="auto", gpu_memory_utilization=utilization
+            )
+    check_device_options("cuda", num_threads=None, quantization="auto", gpu_memory_utilization=1)
+
+
+def test_gpu_memory_utilization_given_with_the_cpu_is_refused_naming_the_option(
+    minilm_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 .*device='cpu'"):
+        EngineArgs(
+            str(minilm_path), device="cpu", gpu_memory_utilization=0.5
+        ).create_engine_config()
+    config = EngineArgs(str(minilm_path), device="cpu").create_engine_config()  # the default
+    assert config.cache.gpu_memory_utilization == 0.9
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_args(["--gpu-memory-utilization", "0.5"]).gpu_memory_utilization == 0.5
+
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def test_kv_blocks_fill_the_fraction_left_by_the_weights_the_step_and_the_graphs() -> None:
+    """An H200 (140 GiB) at 0.9: 126 GiB, less 16 GiB of weights and activations and 1 GiB of
+    graphs, in blocks of 2 MiB (Llama-8B bf16, 16 tokens)."""
+    blocks = num_gpu_kv_blocks(
+        total_bytes=140 * GiB,
+        utilization=0.9,
+        peak_bytes=16 * GiB,
+        graph_reserve_bytes=1 * GiB,
+        bytes_per_block=2 * MiB,
+    )
+    assert blocks == (int(140 * GiB * 0.9) - 17 * GiB) // (2 * MiB)
+    half = num_gpu_kv_blocks(
+        total_bytes=140 * GiB,
+        utilization=0.45,
+        peak_bytes=16 * GiB,
+        graph_reserve_bytes=0,
+        bytes_per_block=2 * MiB,
+    )
+    assert half == (int(140 * GiB * 0.45) - 16 * GiB) // (2 * MiB)
+
+
+@pytest.mark.parametrize(
+    ("utilization", "peak", "phrases"),
+    [
+        (0.1, 8 * GiB, ["gpu_memory_utilization=0.1 of the GPU's 16.00 GiB is 1.60 GiB",
+                        "peak at 8.00 GiB", "CUDA graphs take 0.50 GiB", "block of 2.0 MiB",
+                        "raise --gpu-memory-utilization (at least 0.532)"]),
+        (0.9, 20 * GiB, ["peak at 20.00 GiB", "the GPU cannot hold it at any utilization"]),
+    ],
+)  # fmt: skip
+def test_no_room_for_one_kv_block_is_refused_with_the_numbers(utilization, peak, phrases) -> None:
+    with pytest.raises(ValueError, match="no room for the KV cache") as error:
+        num_gpu_kv_blocks(
+            total_bytes=16 * GiB,
+            utilization=utilization,
+            peak_bytes=peak,
+            graph_reserve_bytes=GiB // 2,
+            bytes_per_block=2 * MiB,
+        )
+    for phrase in phrases:
+        assert phrase in str(error.value)
+    assert "--max-num-batched-tokens" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "max_num_seqs", "max_model_len", "expected"),
+    [
+        (16384, 1024, 2048, [16] * 1024),
+        (10, 4, 2048, [3, 3, 2, 2]),
+        (3, 8, 2048, [1, 1, 1]),
+        (8192, 2, 2048, [2048] * 4),  # max_model_len bounds a request: more requests
+    ],
+)
+def test_the_profiling_step_splits_the_token_budget_evenly(
+    num_tokens, max_num_seqs, max_model_len, expected
+) -> None:
+    lengths = dummy_prompt_lengths(num_tokens, max_num_seqs, max_model_len)
+    assert lengths == expected
+    assert sum(lengths) == num_tokens
+
+
+def test_the_graph_reserve_scales_the_step_to_the_largest_graph(minilm_path: Path) -> None:
+    config = EngineArgs(str(minilm_path), device="cpu", max_num_seqs=256).create_engine_config()
+    assert graph_reserve_bytes(config, 8192 * MiB) == 0  # no graphs on the CPU
+    graphs = dataclasses.replace(config, cuda_graphs=True)  # 256 rows of an 8,192-token step
+    assert graph_reserve_bytes(graphs, 8192 * MiB) == 256 * MiB
 
 
 def test_engine_args_resolve_the_device_before_reading_the_model(
@@ -241,6 +338,25 @@ def test_tiny_llama_greedy_on_cuda_keeps_its_kv_cache_there(tmp_path: Path) -> N
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 8
+
+
+@pytest.mark.gpu
+def test_tiny_llama_kv_cache_on_cuda_fills_gpu_memory_utilization(tmp_path: Path) -> None:
+    """The weights and one step of a tiny model take well under 2 GiB: the cache is the rest
+    of the fraction asked for."""
+    from cenote import LLM, SamplingParams
+
+    make_decoder(tmp_path, "llama")
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", gpu_memory_utilization=0.1)
+    manager = llm.engine.kv_cache_manager
+    assert manager is not None
+    block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 16, fp32
+    cache = manager.num_blocks * block
+    budget = 0.1 * torch.cuda.get_device_properties(0).total_memory
+    assert budget - 2 * GiB < cache < budget
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
 
 
 @pytest.mark.gpu
