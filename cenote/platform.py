@@ -87,17 +87,33 @@ def num_gpu_kv_blocks(
     total_bytes: int,
     utilization: float,
     peak_bytes: int,
+    activation_bytes: int,
+    free_bytes: int,
     graph_reserve_bytes: int,
     bytes_per_block: int,
 ) -> int:
-    """KV-cache blocks that fit in ``utilization`` of the GPU's ``total_bytes`` next to the
-    profiled ``peak_bytes`` (weights + one full step's activations) and the memory CUDA graphs
-    will take (vLLM's ``--gpu-memory-utilization``). Fewer than one block is a ValueError with
+    """KV-cache blocks that fit in ``utilization`` of the GPU's ``total_bytes`` next to this
+    engine's profiled ``peak_bytes`` (its weights + one largest step) and the memory its CUDA
+    graphs will take (vLLM's ``--gpu-memory-utilization``), and in the ``free_bytes`` the GPU
+    has now, less what the next largest step (``activation_bytes``) and the graphs will take
+    (another engine or process may hold the rest). Fewer than one block is a ValueError with
     the numbers and the options that fix it."""
     budget = int(total_bytes * utilization)
-    num_blocks = max(0, (budget - peak_bytes - graph_reserve_bytes) // bytes_per_block)
+    by_fraction = budget - peak_bytes - graph_reserve_bytes
+    by_free = free_bytes - activation_bytes - graph_reserve_bytes
+    num_blocks = max(0, min(by_fraction, by_free) // bytes_per_block)
     if num_blocks >= 1:
         return num_blocks
+    gib = 1 << 30
+    if by_free < by_fraction:
+        raise ValueError(
+            f"no room for the KV cache: the GPU has {free_bytes / gib:.2f} GiB free of "
+            f"{total_bytes / gib:.2f} GiB (other engines or processes hold the rest), and one "
+            f"step's activations take {activation_bytes / gib:.2f} GiB and CUDA graphs "
+            f"{graph_reserve_bytes / gib:.2f} GiB, leaving less than one block of "
+            f"{bytes_per_block / (1 << 20):.1f} MiB; free the GPU, lower the other engines' "
+            "--gpu-memory-utilization, or lower --max-num-batched-tokens"
+        )
     # the least fraction with room for one block, rounded up to what the message shows
     least_bytes = peak_bytes + graph_reserve_bytes + bytes_per_block
     needed = math.ceil(least_bytes / total_bytes * 1000) / 1000
@@ -108,9 +124,9 @@ def num_gpu_kv_blocks(
     )
     raise ValueError(
         f"no room for the KV cache: gpu_memory_utilization={utilization} of the GPU's "
-        f"{total_bytes / (1 << 30):.2f} GiB is {budget / (1 << 30):.2f} GiB, but the weights "
-        f"and one step's activations peak at {peak_bytes / (1 << 30):.2f} GiB and CUDA graphs "
-        f"take {graph_reserve_bytes / (1 << 30):.2f} GiB, leaving less than one block of "
+        f"{total_bytes / gib:.2f} GiB is {budget / gib:.2f} GiB, but the weights and one "
+        f"step's activations peak at {peak_bytes / gib:.2f} GiB and CUDA graphs take "
+        f"{graph_reserve_bytes / gib:.2f} GiB, leaving less than one block of "
         f"{bytes_per_block / (1 << 20):.1f} MiB; {raise_it}lower --max-num-batched-tokens or "
         "--max-num-seqs, or pass --enforce-eager (no graphs)"
     )

@@ -108,48 +108,51 @@ def test_gpu_memory_utilization_given_with_the_cpu_is_refused_naming_the_option(
 GiB, MiB = 1 << 30, 1 << 20
 
 
-def test_kv_blocks_fill_the_fraction_left_by_the_weights_the_step_and_the_graphs() -> None:
-    """An H200 (140 GiB) at 0.9: 126 GiB, less 16 GiB of weights and activations and 1 GiB of
-    graphs, in blocks of 2 MiB (Llama-8B bf16, 16 tokens)."""
-    blocks = num_gpu_kv_blocks(
+def _blocks(**numbers: float) -> int:
+    """``num_gpu_kv_blocks`` of an H200 (140 GiB, all free) at 0.9 with Llama-8B bf16 (16 GiB
+    of weights, 1 GiB of activations, 2 MiB blocks) and 0.5 GiB of graphs, changed by
+    ``numbers``."""
+    given = dict(
         total_bytes=140 * GiB,
         utilization=0.9,
-        peak_bytes=16 * GiB,
-        graph_reserve_bytes=1 * GiB,
+        peak_bytes=17 * GiB,
+        activation_bytes=1 * GiB,
+        free_bytes=140 * GiB,
+        graph_reserve_bytes=GiB // 2,
         bytes_per_block=2 * MiB,
     )
-    assert blocks == (int(140 * GiB * 0.9) - 17 * GiB) // (2 * MiB)
-    half = num_gpu_kv_blocks(
-        total_bytes=140 * GiB,
-        utilization=0.45,
-        peak_bytes=16 * GiB,
-        graph_reserve_bytes=0,
-        bytes_per_block=2 * MiB,
-    )
-    assert half == (int(140 * GiB * 0.45) - 16 * GiB) // (2 * MiB)
+    given.update(numbers)
+    return num_gpu_kv_blocks(**{k: int(v) if k != "utilization" else v for k, v in given.items()})
+
+
+def test_kv_blocks_fill_the_fraction_left_by_the_weights_the_step_and_the_graphs() -> None:
+    assert _blocks() == (int(140 * GiB * 0.9) - 17 * GiB - GiB // 2) // (2 * MiB)
+    assert _blocks(utilization=0.45) == (int(140 * GiB * 0.45) - 17 * GiB - GiB // 2) // (2 * MiB)
+    # another engine holds 100 GiB: the free memory bounds the cache, not the fraction
+    assert _blocks(free_bytes=24 * GiB) == (24 * GiB - GiB - GiB // 2) // (2 * MiB)
 
 
 @pytest.mark.parametrize(
-    ("utilization", "peak", "phrases"),
+    ("numbers", "phrases"),
     [
-        (0.1, 8 * GiB, ["gpu_memory_utilization=0.1 of the GPU's 16.00 GiB is 1.60 GiB",
-                        "peak at 8.00 GiB", "CUDA graphs take 0.50 GiB", "block of 2.0 MiB",
-                        "raise --gpu-memory-utilization (at least 0.532)"]),
-        (0.9, 20 * GiB, ["peak at 20.00 GiB", "the GPU cannot hold it at any utilization"]),
+        ({"total_bytes": 16 * GiB, "free_bytes": 16 * GiB, "utilization": 0.1,
+          "peak_bytes": 8 * GiB},
+         ["gpu_memory_utilization=0.1 of the GPU's 16.00 GiB is 1.60 GiB", "peak at 8.00 GiB",
+          "CUDA graphs take 0.50 GiB", "block of 2.0 MiB",
+          "raise --gpu-memory-utilization (at least 0.532)", "--max-num-batched-tokens"]),
+        ({"total_bytes": 16 * GiB, "free_bytes": 16 * GiB, "peak_bytes": 20 * GiB},
+         ["peak at 20.00 GiB", "the GPU cannot hold it at any utilization"]),
+        ({"free_bytes": 1 * GiB},
+         ["the GPU has 1.00 GiB free of 140.00 GiB (other engines or processes",
+          "activations take 1.00 GiB and CUDA graphs 0.50 GiB",
+          "lower the other engines' --gpu-memory-utilization"]),
     ],
 )  # fmt: skip
-def test_no_room_for_one_kv_block_is_refused_with_the_numbers(utilization, peak, phrases) -> None:
+def test_no_room_for_one_kv_block_is_refused_with_the_numbers(numbers, phrases) -> None:
     with pytest.raises(ValueError, match="no room for the KV cache") as error:
-        num_gpu_kv_blocks(
-            total_bytes=16 * GiB,
-            utilization=utilization,
-            peak_bytes=peak,
-            graph_reserve_bytes=GiB // 2,
-            bytes_per_block=2 * MiB,
-        )
+        _blocks(**numbers)
     for phrase in phrases:
         assert phrase in str(error.value)
-    assert "--max-num-batched-tokens" in str(error.value)
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,8 @@ class EngineCore:
         self.config = config
         model_config = config.model
         entry = get_entry(model_config.architecture)
+        # CUDA: what the process held before this engine (other engines), not counted as its own
+        self._baseline_bytes = torch.cuda.memory_allocated() if on_cuda(config) else 0
         model = load_model(model_config)
         if not isinstance(model, Model):
             raise TypeError(
@@ -160,27 +162,33 @@ class EngineCore:
         return manager, kv_caches
 
     def _profile_kv_blocks(self, bytes_per_block: int) -> int:
-        """CUDA: the blocks that fit in ``gpu_memory_utilization`` of the GPU once the weights,
-        one largest step and the decode graphs have their memory."""
-        peak, activations = profile_step_peak(self.config, self.model, self.pooler)
+        """CUDA: the blocks that fit in ``gpu_memory_utilization`` of the GPU once this
+        engine's weights, one largest step and the decode graphs have their memory, and in
+        what the GPU has free."""
+        peak, activations = profile_step_peak(
+            self.config, self.model, self.pooler, self._baseline_bytes
+        )
         reserve = graph_reserve_bytes(self.config, activations)
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        free, total = torch.cuda.mem_get_info()
         utilization = self.config.cache.gpu_memory_utilization
         num_blocks = num_gpu_kv_blocks(
             total_bytes=total,
             utilization=utilization,
             peak_bytes=peak,
+            activation_bytes=activations,
+            free_bytes=free,
             graph_reserve_bytes=reserve,
             bytes_per_block=bytes_per_block,
         )
         logger.info(
             "KV cache sized from gpu_memory_utilization=%s of %s: weights + one step peak at "
-            "%s (activations %s), CUDA graphs %s, %d blocks (%s)",
+            "%s (activations %s), CUDA graphs %s, %s free: %d blocks (%s)",
             utilization,
             _size(total),
             _size(peak),
             _size(activations),
             _size(reserve),
+            _size(free),
             num_blocks,
             _size(num_blocks * bytes_per_block),
         )

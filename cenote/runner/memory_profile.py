@@ -59,11 +59,12 @@ def dummy_step(lengths: list[int], block_size: int) -> SchedulerOutput:
 
 
 def profile_step_peak(
-    config: EngineConfig, model: Model, pooler: DispatchPooler | None
+    config: EngineConfig, model: Model, pooler: DispatchPooler | None, baseline_bytes: int
 ) -> tuple[int, int]:
     """``(peak_bytes, activation_bytes)`` of one largest step on CUDA: the peak of torch's
-    allocator over the weights and the step, without the throw-away KV cache; and the part of
-    it the step added over what was allocated before (activations, logits)."""
+    allocator over this engine's weights and the step, less ``baseline_bytes`` (what was
+    allocated before the engine loaded: other engines of the process) and the throw-away KV
+    cache; and the part of it the step added (activations, logits)."""
     assert isinstance(model, DecoderModel)  # only causal models have a KV cache to size
     scheduler, cache = config.scheduler, config.cache
     lengths = dummy_prompt_lengths(
@@ -86,7 +87,7 @@ def profile_step_peak(
     peak = torch.cuda.max_memory_allocated() - kv_bytes
     del kv_caches
     torch.cuda.empty_cache()
-    return peak, max(0, peak - before)
+    return peak - baseline_bytes, max(0, peak - before)
 
 
 def graph_reserve_bytes(config: EngineConfig, activation_bytes: int) -> int:
