@@ -172,6 +172,28 @@ def test_the_profiling_step_splits_the_token_budget_evenly(
     assert sum(lengths) == num_tokens
 
 
+def test_the_profiling_step_runs_through_a_runner_and_samples_every_request(
+    tmp_path: Path,
+) -> None:
+    """The dummy batch is a step the runner takes (on the host here; CUDA reads its peak)."""
+    from cenote import LLM
+    from cenote.models.layers.attention import kv_cache_shape
+    from cenote.runner.memory_profile import dummy_step
+    from cenote.runner.model_runner import ModelRunner
+
+    make_decoder(tmp_path, "llama")
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_gpu_blocks_override=64)
+    engine = llm.engine
+    lengths = dummy_prompt_lengths(300, 8, 256)
+    step = dummy_step(lengths, block_size=16)
+    num_blocks = sum(len(s.block_ids) for s in step.scheduled)
+    assert num_blocks == sum(-(-n // 16) for n in lengths)
+    shape = kv_cache_shape(num_blocks, 16, 2, 16)
+    kv_caches = [torch.zeros(shape) for _ in range(2)]
+    output = ModelRunner(engine.config, engine.model, engine.pooler, kv_caches).execute(step)
+    assert sorted(output.sampled_token_ids) == sorted(s.request_id for s in step.scheduled)
+
+
 def test_the_graph_reserve_scales_the_step_to_the_largest_graph(minilm_path: Path) -> None:
     config = EngineArgs(str(minilm_path), device="cpu", max_num_seqs=256).create_engine_config()
     assert graph_reserve_bytes(config, 8192 * MiB) == 0  # no graphs on the CPU
