@@ -194,6 +194,22 @@ def test_the_profiling_step_runs_through_a_runner_and_samples_every_request(
     assert sorted(output.sampled_token_ids) == sorted(s.request_id for s in step.scheduled)
 
 
+def test_a_gpu_kv_cache_below_one_longest_request_names_gpu_memory_utilization(
+    tmp_path: Path,
+) -> None:
+    from cenote.engine.core import _check_kv_cache_fits
+
+    make_decoder(tmp_path, "llama")  # max_model_len 256: 16 blocks of 16 tokens, 8 KiB each
+    config = EngineArgs(str(tmp_path), device="cpu", dtype="float32").create_engine_config()
+    cuda = dataclasses.replace(config, model=dataclasses.replace(config.model, device="cuda"))
+    with pytest.raises(ValueError) as error:
+        _check_kv_cache_fits(cuda, 10, 8192, None)
+    message = str(error.value)
+    assert "the cache has 10 blocks (80.0 KiB, from gpu_memory_utilization=0.9)" in message
+    assert "raise gpu_memory_utilization (--gpu-memory-utilization) by 48.0 KiB" in message
+    assert "lower max_model_len (--max-model-len) to at most 160" in message
+
+
 def test_the_graph_reserve_scales_the_step_to_the_largest_graph(minilm_path: Path) -> None:
     config = EngineArgs(str(minilm_path), device="cpu", max_num_seqs=256).create_engine_config()
     assert graph_reserve_bytes(config, 8192 * MiB) == 0  # no graphs on the CPU
