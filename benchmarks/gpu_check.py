@@ -228,6 +228,26 @@ PROMPT_TOKENS, NEW_TOKENS = 32, 128
 DECODE_TARGET = 2.0  # cenote / transformers generate at 16 streams
 
 
+def record_kv_cache(llm, label: str) -> None:
+    """The KV cache the engine sized from --gpu-memory-utilization (0.9 of the GPU, less its
+    weights, one profiled step and the graphs; a second engine gets what the first left)."""
+    from cenote.kv_cache.manager import kv_cache_bytes_per_block
+
+    manager = llm.engine.kv_cache_manager
+    model, cache = llm.engine.model, llm.engine.config.cache
+    per_block = kv_cache_bytes_per_block(
+        model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size,
+        llm.engine.config.model.dtype,
+    )  # fmt: skip
+    free, total = torch.cuda.mem_get_info()
+    record(
+        f"KV cache from gpu_memory_utilization {cache.gpu_memory_utilization}, {label}",
+        f"{manager.num_blocks:,} blocks of {cache.block_size} tokens = "
+        f"{manager.num_blocks * per_block / (1 << 30):.1f} GiB; GPU {free / (1 << 30):.1f} of "
+        f"{total / (1 << 30):.1f} GiB free after start-up",
+    )
+
+
 def decode_throughput() -> None:
     """Tokens/s of greedy decode, bf16, ``NEW_TOKENS`` a stream after ``PROMPT_TOKENS``-token
     prompts: cenote (paged KV, the Triton decode kernel) against transformers ``generate``
@@ -244,6 +264,7 @@ def decode_throughput() -> None:
         start = time.perf_counter()
         engines[name] = LLM(str(folder), device="cuda", dtype="bfloat16", enforce_eager=eager)
         record(f"engine start-up, SmolLM2 shape ({name})", f"{time.perf_counter() - start:.1f} s")
+        record_kv_cache(engines[name], f"SmolLM2 shape ({name})")
     gen = torch.Generator().manual_seed(0)
     for streams in DECODE_STREAMS:
         ids = torch.randint(3, DECODE_SHAPE["vocab_size"], (streams, PROMPT_TOKENS), generator=gen)

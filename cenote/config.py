@@ -21,7 +21,7 @@ from cenote.models.registry import (
     pylate_architecture,
 )
 from cenote.models.st_config import SentenceTransformerConfig, load_st_config
-from cenote.platform import cuda_default_dtype
+from cenote.platform import DEFAULT_GPU_MEMORY_UTILIZATION, cuda_default_dtype
 
 if TYPE_CHECKING:
     from cenote.models.gguf_loader import GGUFCheckpoint
@@ -268,6 +268,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # None: sized from free memory
     num_gpu_blocks_override: int | None = None  # exact number of blocks (tests)
     enable_prefix_caching: bool = True
+    # CUDA without either size above: the fraction of the GPU's memory the engine may use
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "num_gpu_blocks_override"):

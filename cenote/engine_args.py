@@ -37,7 +37,13 @@ from cenote.config import (
     parse_lora_modules,
 )
 from cenote.models.registry import ConvertOption, get_entry
-from cenote.platform import DeviceName, check_device_options, resolve_device, uses_cuda_graphs
+from cenote.platform import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DeviceName,
+    check_device_options,
+    resolve_device,
+    uses_cuda_graphs,
+)
 
 _MIN_TOKEN_BUDGET = 8192  # default token budget of a step, raised to max_model_len when longer
 # On CUDA (vLLM's offline defaults for large GPUs): a step's device work is small next to its
@@ -152,6 +158,14 @@ class EngineArgs:
         "exact number of KV-cache blocks, instead of sizing the cache from "
         "kv_cache_memory_bytes (tests, reproducible runs)",
         shown="sized from kv_cache_memory_bytes",
+    )
+    gpu_memory_utilization: float = option(
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        "fraction of the GPU's total memory the engine may use (weights, activations, CUDA "
+        "graphs and KV cache; vLLM's meaning): on CUDA, with neither kv_cache_memory_bytes nor "
+        "num_gpu_blocks_override, the KV cache takes what is left of it after a profiling step "
+        "of max_num_batched_tokens tokens. Refused with device cpu, where kv_cache_memory_bytes "
+        "sizes the cache",
     )
     num_threads: int | None = option(
         None,
@@ -274,7 +288,12 @@ class EngineArgs:
         # 0) the device, and the options it has no path for
         # 1) the model, read once (converted when asked)  2) limits that depend on it  3) the tree
         device = resolve_device(self.device)
-        check_device_options(device, num_threads=self.num_threads, quantization=self.quantization)
+        check_device_options(
+            device,
+            num_threads=self.num_threads,
+            quantization=self.quantization,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
         model_config = ModelConfig.from_path(
             self.model,
             self.dtype,
@@ -312,6 +331,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
         return EngineConfig(
             model=model_config,

@@ -23,6 +23,7 @@ from cenote.models.layers.attention_plan import paged_plan
 from cenote.models.layers.norm import LayerNorm
 from cenote.platform import (
     check_device_options,
+    num_gpu_kv_blocks,
     pack,
     resolve_device,
     runs_cpu_kernels,
@@ -30,6 +31,7 @@ from cenote.platform import (
     unpack,
 )
 from cenote.runner.batch import build_input_batch
+from cenote.runner.memory_profile import dummy_prompt_lengths, graph_reserve_bytes
 from cenote.sampling.sampler import numpy_mask_allowed, torch_mask_allowed
 from cenote.scheduler.output import ScheduledRequest
 
@@ -77,6 +79,142 @@ def test_cpu_options_and_cpu_kernels_are_refused_on_cuda() -> None:
             check_device_options("cuda", num_threads=None, quantization=method)
     check_device_options("cuda", num_threads=None, quantization="none")
     check_device_options("cpu", num_threads=4, quantization="w8a8")  # the CPU has them all
+
+
+@pytest.mark.parametrize("utilization", [0.0, -0.5, 1.01, 9.0])
+def test_gpu_memory_utilization_outside_0_1_is_refused_with_the_number(utilization) -> None:
+    for device in ("cuda", "cpu"):
+        with pytest.raises(ValueError, match=rf"must be in \(0, 1\], got {utilization}"):
+            check_device_options(
+                device, num_threads=None, quantization="auto", gpu_memory_utilization=utilization
+            )
+    check_device_options("cuda", num_threads=None, quantization="auto", gpu_memory_utilization=1)
+
+
+def test_gpu_memory_utilization_given_with_the_cpu_is_refused_naming_the_option(
+    minilm_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 .*device='cpu'"):
+        EngineArgs(
+            str(minilm_path), device="cpu", gpu_memory_utilization=0.5
+        ).create_engine_config()
+    config = EngineArgs(str(minilm_path), device="cpu").create_engine_config()  # the default
+    assert config.cache.gpu_memory_utilization == 0.9
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_args(["--gpu-memory-utilization", "0.5"]).gpu_memory_utilization == 0.5
+
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def _blocks(**numbers: float) -> int:
+    """``num_gpu_kv_blocks`` of an H200 (140 GiB, all free) at 0.9 with Llama-8B bf16 (16 GiB
+    of weights, 1 GiB of activations, 2 MiB blocks) and 0.5 GiB of graphs, changed by
+    ``numbers``."""
+    given = dict(
+        total_bytes=140 * GiB,
+        utilization=0.9,
+        peak_bytes=17 * GiB,
+        activation_bytes=1 * GiB,
+        free_bytes=140 * GiB,
+        graph_reserve_bytes=GiB // 2,
+        bytes_per_block=2 * MiB,
+    )
+    given.update(numbers)
+    return num_gpu_kv_blocks(**{k: int(v) if k != "utilization" else v for k, v in given.items()})
+
+
+def test_kv_blocks_fill_the_fraction_left_by_the_weights_the_step_and_the_graphs() -> None:
+    assert _blocks() == (int(140 * GiB * 0.9) - 17 * GiB - GiB // 2) // (2 * MiB)
+    assert _blocks(utilization=0.45) == (int(140 * GiB * 0.45) - 17 * GiB - GiB // 2) // (2 * MiB)
+    # another engine holds 100 GiB: the free memory bounds the cache, not the fraction
+    assert _blocks(free_bytes=24 * GiB) == (24 * GiB - GiB - GiB // 2) // (2 * MiB)
+
+
+@pytest.mark.parametrize(
+    ("numbers", "phrases"),
+    [
+        ({"total_bytes": 16 * GiB, "free_bytes": 16 * GiB, "utilization": 0.1,
+          "peak_bytes": 8 * GiB},
+         ["gpu_memory_utilization=0.1 of the GPU's 16.00 GiB is 1.60 GiB", "peak at 8.00 GiB",
+          "CUDA graphs take 0.50 GiB", "block of 2.0 MiB",
+          "raise --gpu-memory-utilization (at least 0.532)", "--max-num-batched-tokens"]),
+        ({"total_bytes": 16 * GiB, "free_bytes": 16 * GiB, "peak_bytes": 20 * GiB},
+         ["peak at 20.00 GiB", "the GPU cannot hold it at any utilization"]),
+        ({"free_bytes": 1 * GiB},
+         ["the GPU has 1.00 GiB free of 140.00 GiB (other engines or processes",
+          "activations take 1.00 GiB and CUDA graphs 0.50 GiB",
+          "lower the other engines' --gpu-memory-utilization"]),
+    ],
+)  # fmt: skip
+def test_no_room_for_one_kv_block_is_refused_with_the_numbers(numbers, phrases) -> None:
+    with pytest.raises(ValueError, match="no room for the KV cache") as error:
+        _blocks(**numbers)
+    for phrase in phrases:
+        assert phrase in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "max_num_seqs", "max_model_len", "expected"),
+    [
+        (16384, 1024, 2048, [16] * 1024),
+        (10, 4, 2048, [3, 3, 2, 2]),
+        (3, 8, 2048, [1, 1, 1]),
+        (8192, 2, 2048, [2048] * 4),  # max_model_len bounds a request: more requests
+    ],
+)
+def test_the_profiling_step_splits_the_token_budget_evenly(
+    num_tokens, max_num_seqs, max_model_len, expected
+) -> None:
+    lengths = dummy_prompt_lengths(num_tokens, max_num_seqs, max_model_len)
+    assert lengths == expected
+    assert sum(lengths) == num_tokens
+
+
+def test_the_profiling_step_runs_through_a_runner_and_samples_every_request(
+    tmp_path: Path,
+) -> None:
+    """The dummy batch is a step the runner takes (on the host here; CUDA reads its peak)."""
+    from cenote import LLM
+    from cenote.models.layers.attention import kv_cache_shape
+    from cenote.runner.memory_profile import dummy_step
+    from cenote.runner.model_runner import ModelRunner
+
+    make_decoder(tmp_path, "llama")
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_gpu_blocks_override=64)
+    engine = llm.engine
+    lengths = dummy_prompt_lengths(300, 8, 256)
+    step = dummy_step(lengths, block_size=16)
+    num_blocks = sum(len(s.block_ids) for s in step.scheduled)
+    assert num_blocks == sum(-(-n // 16) for n in lengths)
+    shape = kv_cache_shape(num_blocks, 16, 2, 16)
+    kv_caches = [torch.zeros(shape) for _ in range(2)]
+    output = ModelRunner(engine.config, engine.model, engine.pooler, kv_caches).execute(step)
+    assert sorted(output.sampled_token_ids) == sorted(s.request_id for s in step.scheduled)
+
+
+def test_a_gpu_kv_cache_below_one_longest_request_names_gpu_memory_utilization(
+    tmp_path: Path,
+) -> None:
+    from cenote.engine.core import _check_kv_cache_fits
+
+    make_decoder(tmp_path, "llama")  # max_model_len 256: 16 blocks of 16 tokens, 8 KiB each
+    config = EngineArgs(str(tmp_path), device="cpu", dtype="float32").create_engine_config()
+    cuda = dataclasses.replace(config, model=dataclasses.replace(config.model, device="cuda"))
+    with pytest.raises(ValueError) as error:
+        _check_kv_cache_fits(cuda, 10, 8192, None)
+    message = str(error.value)
+    assert "the cache has 10 blocks (80.0 KiB, from gpu_memory_utilization=0.9)" in message
+    assert "raise gpu_memory_utilization (--gpu-memory-utilization) by 48.0 KiB" in message
+    assert "lower max_model_len (--max-model-len) to at most 160" in message
+
+
+def test_the_graph_reserve_scales_the_step_to_the_largest_graph(minilm_path: Path) -> None:
+    config = EngineArgs(str(minilm_path), device="cpu", max_num_seqs=256).create_engine_config()
+    assert graph_reserve_bytes(config, 8192 * MiB) == 0  # no graphs on the CPU
+    graphs = dataclasses.replace(config, cuda_graphs=True)  # 256 rows of an 8,192-token step
+    assert graph_reserve_bytes(graphs, 8192 * MiB) == 256 * MiB
 
 
 def test_engine_args_resolve_the_device_before_reading_the_model(
@@ -241,6 +379,25 @@ def test_tiny_llama_greedy_on_cuda_keeps_its_kv_cache_there(tmp_path: Path) -> N
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 8
+
+
+@pytest.mark.gpu
+def test_tiny_llama_kv_cache_on_cuda_fills_gpu_memory_utilization(tmp_path: Path) -> None:
+    """The weights and one step of a tiny model take well under 2 GiB: the cache is the rest
+    of the fraction asked for."""
+    from cenote import LLM, SamplingParams
+
+    make_decoder(tmp_path, "llama")
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", gpu_memory_utilization=0.1)
+    manager = llm.engine.kv_cache_manager
+    assert manager is not None
+    block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 16, fp32
+    cache = manager.num_blocks * block
+    budget = 0.1 * torch.cuda.get_device_properties(0).total_memory
+    assert budget - 2 * GiB < cache < budget
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
 
 
 @pytest.mark.gpu

@@ -31,8 +31,10 @@ from cenote.models.interfaces import DecoderModel, ImageTextModel, Model
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 from cenote.models.registry import get_entry
+from cenote.platform import num_gpu_kv_blocks
 from cenote.pooling.builder import build_pooler
 from cenote.pooling.pooler import DispatchPooler
+from cenote.runner.memory_profile import graph_reserve_bytes, profile_step_peak
 from cenote.runner.model_runner import ModelRunner
 from cenote.scheduler.output import SchedulerOutput
 from cenote.scheduler.request import Request, RequestStatus
@@ -60,6 +62,8 @@ class EngineCore:
         self.config = config
         model_config = config.model
         entry = get_entry(model_config.architecture)
+        # CUDA: what the process held before this engine (other engines), not counted as its own
+        self._baseline_bytes = torch.cuda.memory_allocated() if on_cuda(config) else 0
         model = load_model(model_config)
         if not isinstance(model, Model):
             raise TypeError(
@@ -123,8 +127,14 @@ class EngineCore:
         model = self.model
         if not isinstance(model, DecoderModel):
             raise TypeError(f"{type(model).__name__} is causal but declares no KV cache layout")
+        bytes_per_block = kv_cache_bytes_per_block(
+            model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size,
+            self.config.model.dtype,
+        )  # fmt: skip
         num_blocks = cache.num_gpu_blocks_override
-        if num_blocks is None:
+        if num_blocks is None and cache.kv_cache_memory_bytes is None and on_cuda(self.config):
+            num_blocks = self._profile_kv_blocks(bytes_per_block)
+        elif num_blocks is None:
             budget = cache.kv_cache_memory_bytes or _default_kv_budget(self.config.model.device)
             num_blocks = num_blocks_for_memory(
                 budget,
@@ -134,10 +144,6 @@ class EngineCore:
                 cache.block_size,
                 self.config.model.dtype,
             )
-        bytes_per_block = kv_cache_bytes_per_block(
-            model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size,
-            self.config.model.dtype,
-        )  # fmt: skip
         _check_kv_cache_fits(self.config, num_blocks, bytes_per_block, model.kv_sliding_window)
         # with CUDA graphs one block more, never handed out: the padding rows' scratch block
         allocated = num_blocks + 1 if self.config.cuda_graphs else num_blocks
@@ -150,8 +156,46 @@ class EngineCore:
         manager = KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching, model.kv_sliding_window
         )
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache.block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%s)",
+            num_blocks,
+            cache.block_size,
+            _size(num_blocks * bytes_per_block),
+        )
         return manager, kv_caches
+
+    def _profile_kv_blocks(self, bytes_per_block: int) -> int:
+        """CUDA: the blocks that fit in ``gpu_memory_utilization`` of the GPU once this
+        engine's weights, one largest step and the decode graphs have their memory, and in
+        what the GPU has free."""
+        peak, activations = profile_step_peak(
+            self.config, self.model, self.pooler, self._baseline_bytes
+        )
+        reserve = graph_reserve_bytes(self.config, activations)
+        free, total = torch.cuda.mem_get_info()
+        utilization = self.config.cache.gpu_memory_utilization
+        num_blocks = num_gpu_kv_blocks(
+            total_bytes=total,
+            utilization=utilization,
+            peak_bytes=peak,
+            activation_bytes=activations,
+            free_bytes=free,
+            graph_reserve_bytes=reserve,
+            bytes_per_block=bytes_per_block,
+        )
+        logger.info(
+            "KV cache sized from gpu_memory_utilization=%s of %s: weights + one step peak at "
+            "%s (activations %s), CUDA graphs %s, %s free: %d blocks (%s)",
+            utilization,
+            _size(total),
+            _size(peak),
+            _size(activations),
+            _size(reserve),
+            _size(free),
+            num_blocks,
+            _size(num_blocks * bytes_per_block),
+        )
+        return num_blocks
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -374,6 +418,13 @@ def _check_kv_cache_fits(
     if cache.num_gpu_blocks_override is not None:
         sized_by = "num_gpu_blocks_override"
         fix = f"raise num_gpu_blocks_override (--num-gpu-blocks-override) to at least {num_needed}"
+    elif cache.kv_cache_memory_bytes is None and on_cuda(config):
+        sized_by = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
+        fix = (
+            f"raise gpu_memory_utilization (--gpu-memory-utilization) by "
+            f"{_size((num_needed - num_blocks) * bytes_per_block)} of the GPU's memory, or "
+            "lower max_num_batched_tokens (--max-num-batched-tokens)"
+        )
     else:
         sized_by = (
             f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
@@ -392,6 +443,11 @@ def _check_kv_cache_fits(
         f"({_size(num_needed * bytes_per_block)}), but the cache has {num_blocks} blocks "
         f"({_size(num_blocks * bytes_per_block)}, from {sized_by}); {fix}"
     )
+
+
+def on_cuda(config: EngineConfig) -> bool:
+    """Whether the engine's model, KV cache and steps live on a CUDA device."""
+    return config.model.device == "cuda"
 
 
 def _size(num_bytes: int) -> str:
