@@ -194,6 +194,33 @@ def test_the_profiling_step_runs_through_a_runner_and_samples_every_request(
     assert sorted(output.sampled_token_ids) == sorted(s.request_id for s in step.scheduled)
 
 
+def test_a_failed_profiling_step_falls_back_and_running_out_of_memory_is_named(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """The profile (CUDA) that raises sizes the cache from the default budget with a warning;
+    one that runs out of GPU memory is a start-up error naming the step's budget."""
+    from cenote import LLM
+    from cenote.engine import core
+
+    make_decoder(tmp_path, "llama")
+    engine = LLM(str(tmp_path), device="cpu", dtype="float32", num_gpu_blocks_override=16).engine
+
+    def fails(*args: object) -> None:
+        raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(core, "profile_step_peak", fails)
+    with caplog.at_level("WARNING", logger="cenote.engine.core"):
+        assert engine._profile_kv_blocks(8192) is None
+    assert "profiling step failed (RuntimeError: no kernel image" in caplog.text
+
+    def out_of_memory(*args: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(core, "profile_step_peak", out_of_memory)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8192\) tokens ran out"):
+        engine._profile_kv_blocks(8192)
+
+
 def test_a_gpu_kv_cache_below_one_longest_request_names_gpu_memory_utilization(
     tmp_path: Path,
 ) -> None:

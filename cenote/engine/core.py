@@ -134,7 +134,7 @@ class EngineCore:
         num_blocks = cache.num_gpu_blocks_override
         if num_blocks is None and cache.kv_cache_memory_bytes is None and on_cuda(self.config):
             num_blocks = self._profile_kv_blocks(bytes_per_block)
-        elif num_blocks is None:
+        if num_blocks is None:
             budget = cache.kv_cache_memory_bytes or _default_kv_budget(self.config.model.device)
             num_blocks = num_blocks_for_memory(
                 budget,
@@ -164,13 +164,30 @@ class EngineCore:
         )
         return manager, kv_caches
 
-    def _profile_kv_blocks(self, bytes_per_block: int) -> int:
+    def _profile_kv_blocks(self, bytes_per_block: int) -> int | None:
         """CUDA: the blocks that fit in ``gpu_memory_utilization`` of the GPU once this
         engine's weights, one largest step and the decode graphs have their memory, and in
-        what the GPU has free."""
-        peak, activations = profile_step_peak(
-            self.config, self.model, self.pooler, self._baseline_bytes
-        )
+        what the GPU has free. None when the profiling step itself fails (other than out of
+        memory): the cache is then sized from ``kv_cache_memory_bytes``' default, with a
+        warning naming the cause, rather than the engine refusing to start."""
+        try:
+            peak, activations = profile_step_peak(
+                self.config, self.model, self.pooler, self._baseline_bytes
+            )
+        except torch.cuda.OutOfMemoryError as e:
+            raise ValueError(
+                f"the profiling step of max_num_batched_tokens "
+                f"({self.config.scheduler.max_num_batched_tokens}) tokens ran out of GPU memory "
+                f"({e}); lower --max-num-batched-tokens or --max-num-seqs"
+            ) from e
+        except Exception as e:
+            logger.warning(
+                "the KV cache's profiling step failed (%s: %s): the cache is sized from "
+                "kv_cache_memory_bytes' default instead of --gpu-memory-utilization",
+                type(e).__name__,
+                e,
+            )
+            return None
         reserve = graph_reserve_bytes(self.config, activations)
         free, total = torch.cuda.mem_get_info()
         utilization = self.config.cache.gpu_memory_utilization
