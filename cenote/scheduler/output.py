@@ -30,6 +30,8 @@ class ScheduledRequest:
     needs_sample: bool  # this step reaches the end of the known tokens (sample now)
     grammar: RequestGrammar | None = None  # structured outputs: masks the sampled row
     lora_int_id: int | None = None  # the LoRA adapter its rows run under; None: the base
+    # speculative decoding: the last tokens of token_ids are these drafts, to verify (needs_sample)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
