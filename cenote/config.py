@@ -278,6 +278,66 @@ class CacheConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
 
 
+SpeculativeMethod = Literal["ngram"]
+_SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): each step proposes up to
+    ``num_speculative_tokens`` draft tokens per generating request and the model verifies them
+    in the same pass. ``ngram``: the tokens that followed the latest earlier occurrence of the
+    sequence's last ``n`` tokens, ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
+
+    method: SpeculativeMethod = "ngram"
+    num_speculative_tokens: int = 4  # drafted tokens per request and step, at most
+    prompt_lookup_min: int = 2  # shortest suffix looked up
+    prompt_lookup_max: int = 4  # longest suffix looked up (tried first)
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported; supported: "
+                f"{', '.join(_SPECULATIVE_METHODS)}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"speculative_config {name} must be a positive integer, got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is above "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """From ``--speculative-config`` JSON / ``LLM(speculative_config=...)``. As in vLLM, a
+        lookup bound given alone sets the other (neither: 2 to 4)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        unknown = set(value) - set(_SPECULATIVE_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config keys {sorted(unknown)}; known: "
+                f"{', '.join(_SPECULATIVE_KEYS)}"
+            )
+        if "method" not in value:
+            raise ValueError(
+                f"speculative_config needs a method; supported: {', '.join(_SPECULATIVE_METHODS)}"
+            )
+        options = dict(value)
+        low, high = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
+        if low is None and high is not None:
+            options["prompt_lookup_min"] = high
+        elif high is None and low is not None:
+            options["prompt_lookup_max"] = low
+        return cls(**{k: v for k, v in options.items() if v is not None})
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters (cenote/lora): the ones served by name, and the bounds of the resident set."""
@@ -324,6 +384,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig | None = None  # None: one token per request and step
     # torch threads of the engine core; None: the offline LLM keeps the process's setting, the
     # server's engine-core process uses every core it may run on
     num_threads: int | None = None

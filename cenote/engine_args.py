@@ -34,6 +34,7 @@ from cenote.config import (
     PoolerConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
     parse_lora_modules,
 )
 from cenote.models.registry import ConvertOption, get_entry
@@ -231,6 +232,15 @@ class EngineArgs:
         "evicts the least recently used adapter no request holds",
     )
     max_lora_rank: int = option(64, "highest LoRA rank an adapter may have (refused above)")
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = option(
+        None,
+        'speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}: each step drafts up to '
+        "num_speculative_tokens tokens per generating request (ngram: what followed the last "
+        "prompt_lookup_max..min tokens earlier in the prompt and output) and verifies them in "
+        "the same pass; greedy output is unchanged, sampled output keeps its distribution",
+        shown="none",
+    )
     seed: int = option(
         0,
         "kept for vLLM compatibility; a request without its own seed samples from torch's "
@@ -311,6 +321,12 @@ class EngineArgs:
             quantization=self.quantization,
             quantized_dense_copy=self.quantized_dense_copy,
         )
+        speculative = SpeculativeConfig.of(self.speculative_config)
+        if speculative is not None and not get_entry(model_config.architecture).is_causal:
+            raise ValueError(
+                f"speculative_config needs a model that generates; {model_config.architecture} "
+                "does not"
+            )
         budget = self.max_num_batched_tokens
         on_cuda = device == "cuda"
         if budget is None:
@@ -342,6 +358,7 @@ class EngineArgs:
                 max_loras=self.max_loras,
                 max_lora_rank=self.max_lora_rank,
             ),
+            speculative=speculative,
             num_threads=self.num_threads,
             cuda_graphs=uses_cuda_graphs(device, self.enforce_eager),
             seed=self.seed,
@@ -464,7 +481,7 @@ def _cli_kwargs(f: Field[Any], hint: Any) -> dict[str, Any]:
             return {**kwargs, "type": kind, "metavar": metavar}
     if any(get_origin(m) is list for m in members):  # --x A B C
         return {**kwargs, "type": str, "nargs": "+", "metavar": "NAME=PATH"}
-    if any(get_origin(m) is dict or m is PoolerConfig for m in members):
+    if any(get_origin(m) is dict or m in (PoolerConfig, SpeculativeConfig) for m in members):
         return {**kwargs, "type": parse_json_object, "metavar": "JSON"}
     raise TypeError(f"EngineArgs.{f.name}: no command-line form for {hint}; give it parse=")
 

@@ -83,6 +83,8 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0  # tokens looked up since the last stats
     prefix_cache_hits: int = 0  # tokens found
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafted in the step
+    num_accepted_tokens: int = 0  # of those, accepted by verification
 
 
 @dataclass

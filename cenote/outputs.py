@@ -84,6 +84,19 @@ class SparseEmbeddingOutput(PoolingOutput):
         return self.data.to_sparse()
 
 
+@dataclass(frozen=True)
+class SpecDecodeMetrics:
+    """Speculative decoding of one engine since it started (``LLM.spec_decode_metrics()``;
+    the server's ``cenote_spec_decode_num_{draft,accepted}_tokens_total``)."""
+
+    num_draft_tokens: int  # tokens drafted and verified
+    num_accepted_tokens: int  # of those, kept: the model produced them too
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
 @dataclass
 class ScoringOutput:
     """One similarity or relevance score."""

@@ -66,6 +66,8 @@ class InProcessClient:
         self.engine = engine
         self.output_processor = OutputProcessor(tokenizer)
         self.output_processor.label_names = engine.capabilities.label_names
+        self.num_draft_tokens = 0  # speculative decoding, since start: tokens drafted
+        self.num_accepted_tokens = 0  # of those, accepted
 
     @property
     def capabilities(self) -> ModelCapabilities:
@@ -96,6 +98,9 @@ class InProcessClient:
 
     def outputs(self) -> list[UserOutput]:
         step = self.engine.step()
+        if step.stats is not None:
+            self.num_draft_tokens += step.stats.num_draft_tokens
+            self.num_accepted_tokens += step.stats.num_accepted_tokens
         outputs, to_abort = self.output_processor.process_outputs(step.outputs)
         if to_abort:
             self.engine.abort_requests(to_abort)

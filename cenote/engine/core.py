@@ -95,6 +95,7 @@ class EngineCore:
             kv_manager,
             prefix_cacheable_tasks=cacheable,
             max_model_len=model_config.max_model_len,
+            speculative=config.speculative,
         )
         self.capabilities = self._capabilities(entry.tasks, pooler)
         self._consecutive_failures = 0
@@ -331,6 +332,7 @@ class EngineCore:
 
     def _stats(self, num_scheduled_tokens: int) -> SchedulerStats:
         manager = self.kv_cache_manager
+        num_drafted, num_accepted = self.scheduler.take_spec_decode_counts()
         return SchedulerStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting + len(self._compiling),
@@ -338,6 +340,8 @@ class EngineCore:
             kv_cache_usage=manager.usage if manager is not None else 0.0,
             prefix_cache_queries=manager.queries if manager is not None else 0,
             prefix_cache_hits=manager.hits if manager is not None else 0,
+            num_draft_tokens=num_drafted,
+            num_accepted_tokens=num_accepted,
         )
 
 

@@ -154,6 +154,8 @@ class DataParallelEngineClient:
                     num_waiting=sum(s.num_waiting for s in known),
                     num_scheduled_tokens=stats.num_scheduled_tokens,
                     kv_cache_usage=sum(s.kv_cache_usage for s in known) / len(known),
+                    num_draft_tokens=stats.num_draft_tokens,  # per step: this core's
+                    num_accepted_tokens=stats.num_accepted_tokens,
                 )
             if self._on_step is not None:
                 self._on_step(stats, queue_times)

@@ -3,6 +3,7 @@ kinds (cumulative, delta, final only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -237,7 +238,19 @@ class OutputProcessor:
         )
 
     def _update_completion(self, state: _RequestState, out: EngineCoreOutput) -> bool:
-        """Apply one step to a completion; True when a stop string finished it here."""
+        """Apply one step to a completion; True when a stop string finished it here. Several
+        tokens of one step (speculative decoding) are applied one by one where stop strings
+        are matched, so no token after the one that completes a stop string is kept."""
+        completion = state.completions[out.request_id]
+        if len(out.new_token_ids) > 1 and completion.stop.stop and completion.detokenizer:
+            for piece in _one_token_outputs(out):
+                stopped = self._update_completion_once(state, piece)
+                if completion.finish_reason is not None:
+                    return stopped
+            return False
+        return self._update_completion_once(state, out)
+
+    def _update_completion_once(self, state: _RequestState, out: EngineCoreOutput) -> bool:
         completion = state.completions[out.request_id]
         params = completion.params
         if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
@@ -363,3 +376,29 @@ def _delta(c: _Completion) -> CompletionOutput | None:
         finish_reason=c.finish_reason,
         stop_reason=c.stop_reason,
     )
+
+
+def _one_token_outputs(out: EngineCoreOutput) -> list[EngineCoreOutput]:
+    """``out`` as one output per new token: prompt logprobs ride on the first, the finish on
+    the last."""
+    last = len(out.new_token_ids) - 1
+    pieces = []
+    for i, token_id in enumerate(out.new_token_ids):
+        logprobs = out.new_logprobs
+        if logprobs is not None:
+            logprobs = LogprobsLists(
+                logprobs.token_ids[i : i + 1],
+                logprobs.logprobs[i : i + 1],
+                logprobs.ranks[i : i + 1],
+            )
+        pieces.append(
+            dataclasses.replace(
+                out,
+                new_token_ids=[token_id],
+                new_logprobs=logprobs,
+                new_prompt_logprobs=out.new_prompt_logprobs if i == 0 else None,
+                finish_reason=out.finish_reason if i == last else None,
+                stop_reason=out.stop_reason if i == last else None,
+            )
+        )
+    return pieces

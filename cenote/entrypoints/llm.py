@@ -45,6 +45,7 @@ from cenote.outputs import (
     RequestOutput,
     ScoringOutput,
     SparseEmbeddingOutput,
+    SpecDecodeMetrics,
 )
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import RequestOutputKind, SamplingParams
@@ -64,6 +65,7 @@ __all__ = [
     "PoolingOutput",
     "ScoringOutput",
     "SparseEmbeddingOutput",
+    "SpecDecodeMetrics",
 ]
 
 _Output = TypeVar("_Output", bound=PoolingOutput)
@@ -129,6 +131,11 @@ class LLM:
     @property
     def supported_tasks(self) -> tuple[str, ...]:
         return self.engine.capabilities.supported_tasks
+
+    def spec_decode_metrics(self) -> SpecDecodeMetrics:
+        """Tokens drafted and accepted by speculative decoding (``speculative_config``) since
+        this engine started."""
+        return SpecDecodeMetrics(self.client.num_draft_tokens, self.client.num_accepted_tokens)
 
     # ---- pooling ----------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from cenote.sampling.metadata import (
 )
 from cenote.sampling.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
+from cenote.spec_decode.verifier import verify_drafts
 from cenote.structured.grammar import allowed_tokens
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,10 @@ class ModelRunner:
         assert self.lm_head is not None and self.sampler is not None  # a CausalLM's runner
         scheduled = step.scheduled
         indices = [i for i, s in enumerate(scheduled) if s.needs_sample]
+        drafted = [i for i in indices if scheduled[i].draft_token_ids]
+        if drafted:
+            self._verify(step, drafted, output)
+            indices = [i for i in indices if not scheduled[i].draft_token_ids]
         if not indices:
             return
         last_rows = torch.tensor([step.row_ends[i] - 1 for i in indices], device=self.device)
@@ -226,7 +231,40 @@ class ModelRunner:
                     result.logprobs, row, row + 1, params.logprobs
                 )
 
-    def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
+    def _verify(self, step: _Step, indices: list[int], output: ModelRunnerOutput) -> None:
+        """Requests with draft tokens: logits at each drafted position and the one after,
+        verified against the drafts (spec_decode/verifier.py); emits the accepted drafts plus
+        the model's own next token."""
+        assert self.lm_head is not None and self.sampler is not None  # a CausalLM's runner
+        scheduled = step.scheduled
+        positions: list[int] = []
+        rows: list[SamplingRow] = []
+        for i in indices:
+            s = scheduled[i]
+            num_positions = len(s.draft_token_ids) + 1
+            end = step.row_ends[i]
+            positions.extend(range(end - num_positions, end))
+            rows.extend(self._sampling_row(s, j) for j in range(num_positions))
+        index = torch.tensor(positions, device=self.device)
+        logits = self.lm_head.compute_logits(step.hidden[index])  # [num_positions, vocab]
+        metadata = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
+        drafts = [scheduled[i].draft_token_ids for i in indices]
+        verified = verify_drafts(logits, metadata, drafts, self.sampler.argmax)
+        start = 0
+        for i, tokens in zip(indices, verified.token_ids, strict=True):
+            s = scheduled[i]
+            params = s.sampling_params
+            assert params is not None  # needs_sample: a generation request
+            output.sampled_token_ids[s.request_id] = tokens
+            if verified.logprobs is not None and params.logprobs is not None:
+                output.logprobs[s.request_id] = _slice_logprobs(
+                    verified.logprobs, start, start + len(tokens), params.logprobs
+                )
+            start += len(s.draft_token_ids) + 1
+
+    def _sampling_row(self, s: ScheduledRequest, num_drafts: int = 0) -> SamplingRow:
+        """The request's sampling row; ``num_drafts``: at the position after that many of its
+        draft tokens, as if they were output already (penalties, min_tokens)."""
         params = s.sampling_params
         assert params is not None  # needs_sample: a generation request
         generator = None
@@ -235,8 +273,11 @@ class ModelRunner:
             if generator is None:
                 generator = make_generator(params.seed, self.device)
                 self._generators[s.request_id] = generator
+        output_token_ids = s.output_token_ids
+        if num_drafts:
+            output_token_ids = output_token_ids + s.draft_token_ids[:num_drafts]
         masked = None
-        if len(s.output_token_ids) < params.min_tokens:
+        if len(output_token_ids) < params.min_tokens:
             masked = list(params.stop_token_ids or [])
             if s.eos_token_id is not None:
                 masked.append(s.eos_token_id)
@@ -246,7 +287,7 @@ class ModelRunner:
             if bias is None:
                 bias = TokenBias.from_dict(params.logit_bias, self.vocab_size, self.device)
                 self._logit_biases[s.request_id] = bias
-        return SamplingRow(params, s.prompt_token_ids, s.output_token_ids, generator, masked, bias)
+        return SamplingRow(params, s.prompt_token_ids, output_token_ids, generator, masked, bias)
 
     def _prompt_logprobs(self, step: _Step, output: ModelRunnerOutput) -> None:
         """Logprobs of each prompt token given the ones before it, for the rows computed now: the

@@ -86,11 +86,7 @@ class Sampler(nn.Module):
         if num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)
         # 3) banned tokens and penalties
-        logits = mask_tokens(logits, metadata.masked_token_ids)
-        if metadata.logit_bias is not None:
-            logits = apply_logit_bias(logits, metadata.logit_bias)
-        if not metadata.no_penalties:
-            logits = apply_penalties(logits, metadata)
+        logits = adjust_logits(logits, metadata)
         if metadata.allowed is not None:
             logits = apply_allowed_tokens(logits, metadata.allowed, source, self.mask_allowed)
         # 4) choose
@@ -100,6 +96,16 @@ class Sampler(nn.Module):
         if raw_logprobs is not None and num_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def adjust_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Banned tokens, ``logit_bias`` and penalties on fp32 logits (in place where it can)."""
+    logits = mask_tokens(logits, metadata.masked_token_ids)
+    if metadata.logit_bias is not None:
+        logits = apply_logit_bias(logits, metadata.logit_bias)
+    if not metadata.no_penalties:
+        logits = apply_penalties(logits, metadata)
+    return logits
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -275,16 +281,20 @@ def sample(
     if metadata.all_greedy:  # also the empty batch
         return argmax(logits)
     greedy = None if metadata.all_random else argmax(logits)
+    sampled = random_sample(sampling_probs(logits, metadata), metadata.generators, argmax)
+    if greedy is None:
+        return sampled
+    return torch.where(metadata.greedy_mask, greedy, sampled)
+
+
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows draw from: temperature, top-k/top-p, min-p, softmax."""
     logits = apply_temperature(logits, metadata.temperature)
     if not metadata.no_top_k_top_p:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
-    probs = torch.softmax(logits, dim=-1)
-    sampled = random_sample(probs, metadata.generators, argmax)
-    if greedy is None:
-        return sampled
-    return torch.where(metadata.greedy_mask, greedy, sampled)
+    return torch.softmax(logits, dim=-1)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

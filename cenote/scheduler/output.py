@@ -33,6 +33,8 @@ class ScheduledRequest:
     grammar: RequestGrammar | None = None  # structured outputs: masks the sampled row
     lora_int_id: int | None = None  # the LoRA adapter its rows run under; None: the base
     pixel_values: torch.Tensor | None = None  # an image prompt's pixels (encoders: scheduled whole)
+    # speculative decoding: the last tokens of token_ids are these drafts, to verify (needs_sample)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

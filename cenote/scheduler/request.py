@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from cenote.lora.request import LoRARequest
     from cenote.pooling_params import PoolingParams
     from cenote.sampling_params import SamplingParams
+    from cenote.spec_decode.pacing import DraftPacing
     from cenote.structured.grammar import RequestGrammar
 
 
@@ -72,6 +73,7 @@ class Request:
     grammar: RequestGrammar | None = None  # structured outputs: the output's matcher
     lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
     pixel_values: torch.Tensor | None = None  # an image prompt's pixels (placeholder token ids)
+    draft_pacing: DraftPacing | None = None  # speculative decoding: its draft lengths
 
     @property
     def block_hash_keys(self) -> tuple[object, ...] | None:

@@ -6,13 +6,15 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from cenote.config import CacheConfig, SchedulerConfig
+from cenote.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from cenote.kv_cache.block_pool import KVCacheBlock
 from cenote.kv_cache.manager import KVCacheManager
 from cenote.messages import EngineCoreOutput, LogprobsLists
 from cenote.runner.output import ModelRunnerOutput
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
 from cenote.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from cenote.spec_decode.ngram import NgramProposer
+from cenote.spec_decode.pacing import DraftPacing
 from cenote.structured.grammar import RequestGrammar
 from cenote.tasks import PoolingTask
 
@@ -29,6 +31,7 @@ class Scheduler:
             PoolingTask
         ] = frozenset(),  # pooling tasks that read only the last token
         max_model_len: int = 1 << 30,  # generation stops here
+        speculative: SpeculativeConfig | None = None,  # None: no draft tokens
     ) -> None:
         # encoders have no KV cache and their prompts are computed whole (create_engine_config
         # turns chunked prefill off for them, which is what EngineConfig checks the budget by)
@@ -42,6 +45,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_request_ids: set[str] = set()
+        self.speculative = speculative
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.num_draft_tokens = 0  # drafted since the last take_spec_decode_counts()
+        self.num_accepted_tokens = 0  # of those, accepted
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -127,7 +134,9 @@ class Scheduler:
         in FCFS (or priority) order, and a waiting request never jumps ahead of an earlier one
         that does not fit. A request is its ``num_computed_tokens`` catching up with
         ``num_tokens``; encoder requests are scheduled whole. When KV blocks run out, the newest
-        (or lowest-priority) running request is preempted and recomputed later.
+        (or lowest-priority) running request is preempted and recomputed later. With speculative
+        decoding a decoding request may add draft tokens past ``num_tokens``: they take budget
+        and KV slots, but only the accepted ones are ever counted as computed.
         """
         budget = self.config.max_num_batched_tokens
         logprobs_budget = self.config.max_prompt_logprobs_tokens
@@ -144,9 +153,14 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            if not self._allocate_or_preempt(request, index, num_new, preempted):
+            drafts = self._drafts(request, num_new, budget)
+            if drafts and not self._allocate_drafts(request, num_new + len(drafts)):
+                drafts = []  # drafts never preempt anybody
+            if drafts:
+                num_new += len(drafts)
+            elif not self._allocate_or_preempt(request, index, num_new, preempted):
                 break  # the request itself was preempted
-            scheduled.append(self._scheduled(request, num_new))
+            scheduled.append(self._scheduled(request, num_new, drafts))
             budget -= num_new
             logprobs_budget -= self._num_prompt_logprobs_tokens(request, num_new)
             index += 1
@@ -180,6 +194,38 @@ class Scheduler:
         )
         self.finished_request_ids = set()
         return output
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Draft tokens to verify after a decoding request's one new token: none unless
+        speculation is on, the request samples freely (structured outputs are never drafted
+        for), its pacing allows, and the budget, max_tokens and max_model_len leave room for
+        every draft token plus the token verification always adds."""
+        if self.proposer is None or self.speculative is None or num_new != 1:
+            return []
+        params = request.sampling_params
+        if params is None or request.grammar is not None:
+            return []
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return []  # still computing the prompt
+        pacing = request.draft_pacing
+        if pacing is None:
+            pacing = request.draft_pacing = DraftPacing(self.speculative.num_speculative_tokens)
+        limit = min(pacing.next_length(), budget - 1, self.max_model_len - request.num_tokens - 1)
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
+        if limit <= 0:
+            return []
+        return self.proposer.propose(request.all_token_ids, limit)
+
+    def _allocate_drafts(self, request: Request, num_new: int) -> bool:
+        manager = self.kv_cache_manager
+        return manager is None or manager.allocate_slots(request, num_new) is not None
+
+    def take_spec_decode_counts(self) -> tuple[int, int]:
+        """(drafted, accepted) tokens since the last call; resets both."""
+        counts = (self.num_draft_tokens, self.num_accepted_tokens)
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+        return counts
 
     @staticmethod
     def _asks_prompt_logprobs(request: Request) -> bool:
@@ -254,14 +300,18 @@ class Scheduler:
         request.num_computed_tokens = 0
         self._enqueue(request, front=True)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
+        drafts = drafts or []
         start = request.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts)  # the known tokens computed this step
         prompt_len = request.num_prompt_tokens
         # the new tokens without concatenating prompt and output (O(new), not O(sequence))
         new_ids = request.prompt_token_ids[start:end]
         if end > prompt_len:
             new_ids += request.output_token_ids[max(start - prompt_len, 0) : end - prompt_len]
+        new_ids += drafts
         block_ids = (
             self.kv_cache_manager.get_block_ids(request.request_id)
             if self.kv_cache_manager is not None
@@ -286,6 +336,7 @@ class Scheduler:
             grammar=request.grammar,
             lora_int_id=None if request.lora_request is None else request.lora_request.lora_int_id,
             pixel_values=request.pixel_values,
+            draft_token_ids=drafts,
         )
 
     # ---- after the step ---------------------------------------------------------------------
@@ -298,6 +349,8 @@ class Scheduler:
         for s in scheduler_output.scheduled:
             request = self.requests[s.request_id]
             request.num_computed_tokens += s.num_tokens
+            if s.draft_token_ids:  # rejected drafts' KV slots are overwritten later
+                request.num_computed_tokens -= self._record_drafts(request, s, runner_output)
             if request.is_pooling:
                 if s.completes_prompt:
                     self._finish_running(request, RequestStatus.FINISHED_POOLED)
@@ -328,8 +381,16 @@ class Scheduler:
         )
         if not new_token_ids and prompt_logprobs is None:
             return None
-        request.append_output_token_ids(new_token_ids)
-        status = self._check_stop(request) if new_token_ids else None
+        new_logprobs = runner_output.logprobs.get(request_id)
+        status = None
+        for num_kept, token_id in enumerate(new_token_ids, start=1):  # stop at the first stop
+            request.append_output_token_ids([token_id])
+            status = self._check_stop(request)
+            if status is not None and num_kept < len(new_token_ids):
+                new_token_ids = new_token_ids[:num_kept]
+                if new_logprobs is not None:
+                    new_logprobs = _first_rows(new_logprobs, num_kept)
+                break
         if request.grammar is not None and new_token_ids and status is None:
             status = self._check_grammar(request.grammar, new_token_ids)
         if status is not None:
@@ -339,7 +400,7 @@ class Scheduler:
         return EngineCoreOutput(
             request_id=request_id,
             new_token_ids=new_token_ids,
-            new_logprobs=runner_output.logprobs.get(request_id),
+            new_logprobs=new_logprobs,
             new_prompt_logprobs=prompt_logprobs,
             finish_reason=FINISH_REASONS[status] if status is not None else None,
             stop_reason=request.stop_reason,
@@ -347,6 +408,20 @@ class Scheduler:
             queue_seconds=queue_seconds,
             inference_seconds=inference_seconds,
         )
+
+    def _record_drafts(
+        self, request: Request, s: ScheduledRequest, runner_output: ModelRunnerOutput
+    ) -> int:
+        """Count a verified draft and pace the request's next one; its number of rejected
+        tokens (verification emits the accepted drafts plus one token of its own)."""
+        num_drafted = len(s.draft_token_ids)
+        num_emitted = len(runner_output.sampled_token_ids.get(s.request_id, []))
+        num_accepted = min(max(num_emitted - 1, 0), num_drafted)
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if request.draft_pacing is not None:
+            request.draft_pacing.record(num_drafted, num_accepted)
+        return num_drafted - num_accepted
 
     @staticmethod
     def _new_prompt_logprobs(
@@ -393,6 +468,12 @@ class Scheduler:
     def _finish_running(self, request: Request, status: RequestStatus) -> None:
         self.running.remove(request)
         self._free(request, status)
+
+
+def _first_rows(lists: LogprobsLists, num_rows: int) -> LogprobsLists:
+    return LogprobsLists(
+        lists.token_ids[:num_rows], lists.logprobs[:num_rows], lists.ranks[:num_rows]
+    )
 
 
 def _durations(request: Request) -> tuple[float, float]:

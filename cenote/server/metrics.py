@@ -43,6 +43,13 @@ class MetricFamilies:
         )  # fmt: skip
         self.prompt_tokens = counter("cenote_prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("cenote_generation_tokens", "Tokens generated")
+        self.spec_draft_tokens = counter(
+            "cenote_spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted"
+        )
+        self.spec_accepted_tokens = counter(
+            "cenote_spec_decode_num_accepted_tokens",
+            "Speculative decoding: drafted tokens the model accepted",
+        )
         self.queue_time = histogram(
             "cenote_request_queue_time_seconds", "Time from arrival to first scheduling",
             _LATENCY_BUCKETS,
@@ -88,6 +95,8 @@ class ServerMetrics:
         self.scheduled_tokens = f.scheduled_tokens.labels(model_name)
         self.prompt_tokens = f.prompt_tokens.labels(model_name)
         self.generation_tokens = f.generation_tokens.labels(model_name)
+        self.spec_draft_tokens = f.spec_draft_tokens.labels(model_name)
+        self.spec_accepted_tokens = f.spec_accepted_tokens.labels(model_name)
         self.queue_time = f.queue_time.labels(model_name)
         self.ttft = f.ttft.labels(model_name)
         self.e2e = f.e2e.labels(model_name)
@@ -105,6 +114,9 @@ class ServerMetrics:
             self.kv_cache_usage.set(stats.kv_cache_usage)
             if stats.num_scheduled_tokens:
                 self.scheduled_tokens.observe(stats.num_scheduled_tokens)
+            if stats.num_draft_tokens:
+                self.spec_draft_tokens.inc(stats.num_draft_tokens)
+                self.spec_accepted_tokens.inc(stats.num_accepted_tokens)
         for seconds in queue_times:
             self.queue_time.observe(max(seconds, 0.0))
 

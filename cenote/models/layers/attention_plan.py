@@ -26,17 +26,18 @@ class PrefillRow:
 
 @dataclass
 class PagedPlan:
-    """Decode rows (one new token each) attend together over their blocks; prompts computed
-    whole this step attend to their own new rows (as an encoder batch, causal); chunks after
-    cached context one by one over their blocks.
+    """Decode rows (a request's one new token, or each token of a short chunk after cached
+    context) attend together over their blocks; prompts computed whole this step attend to
+    their own new rows (as an encoder batch, causal); longer chunks after cached context one by
+    one over their blocks.
 
     With a sliding ``window``, each request's block table starts at the first block holding a
     key its queries can see (earlier ones may already be freed), and the masks cut keys
     ``window`` or more positions back."""
 
     block_size: int  # tokens per KV block
-    decode_rows: torch.Tensor | None  # [num_decode] row of each decode request in the stream
-    all_decode: bool  # every request decodes, in order: rows are the whole stream
+    decode_rows: torch.Tensor | None  # [num_decode] row of each decode row in the stream
+    all_decode: bool  # every row is a decode row, in order: they are the whole stream
     decode_tables: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with block 0s
     decode_starts: torch.Tensor | None  # [num_decode] int64 first key, in table positions
     decode_ends: torch.Tensor | None  # [num_decode] int64 one past the last key (the new one)
@@ -64,15 +65,24 @@ def paged_plan(metadata: AttentionMetadata, window: int | None = None) -> PagedP
     return plan
 
 
+# A chunk of at most this many new tokens after cached context (speculative decoding's drafts,
+# short prompt chunks) attends as that many decode rows, each over the request's blocks in
+# place up to its own position, instead of gathering the blocks once for an SDPA call: the
+# gather copies the whole context per layer, which a few rows do not repay.
+_MAX_DECODE_CHUNK = 16
+
+
 def _build_paged_plan(md: AttentionMetadata, window: int | None) -> PagedPlan:
     lens = md.query_lens
     size = md.block_size
     assert md.block_tables is not None
-    decode, fresh, prefills = [], [], []
+    decode: list[tuple[int, int, int]] = []  # (request, its row in the stream, keys it sees)
+    fresh, prefills = [], []
     for i, n in enumerate(lens):
         seq_len = md.seq_lens[i]
-        if n == 1:
-            decode.append(i)
+        if n == 1 or (n != seq_len and n <= _MAX_DECODE_CHUNK):
+            start = md.query_start_loc[i]
+            decode.extend((i, start + j, seq_len - n + j + 1) for j in range(n))
             continue
         if n == seq_len:
             fresh.append(i)
@@ -91,15 +101,14 @@ def _build_paged_plan(md: AttentionMetadata, window: int | None) -> PagedPlan:
     fresh_lengths = [lens[i] for i in fresh]
     if not decode:
         return PagedPlan(size, None, False, None, None, None, fresh_starts, fresh_lengths, prefills)
-    seq_lens = [md.seq_lens[i] for i in decode]
-    firsts = [first_visible_block(n - 1, window, size) for n in seq_lens]
-    tables = [md.block_tables[i][f:] for i, f in zip(decode, firsts, strict=True)]
+    firsts = [first_visible_block(n - 1, window, size) for _, _, n in decode]
+    tables = [md.block_tables[i][f:] for (i, _, _), f in zip(decode, firsts, strict=True)]
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)
-    ends = torch.tensor([n - f * size for n, f in zip(seq_lens, firsts, strict=True)])
+    ends = torch.tensor([n - f * size for (_, _, n), f in zip(decode, firsts, strict=True)])
     starts = torch.zeros_like(ends) if window is None else (ends - window).clamp_(min=0)
-    decode_rows = torch.tensor([md.query_start_loc[i] for i in decode], dtype=torch.long)
-    all_decode = len(decode) == len(lens)
+    decode_rows = torch.tensor([row for _, row, _ in decode], dtype=torch.long)
+    all_decode = len(decode) == sum(lens)
     # one host -> device copy for the four, shared by every layer; none on the CPU
     padded, starts, ends, decode_rows = to_device([padded, starts, ends, decode_rows], md.device)
     return PagedPlan(
