@@ -93,7 +93,7 @@ def test_named_models_and_a_config_file(tmp_path, minilm_path):
         ({"m": {"model": "x", "dtpye": "float32"}},
          "model 'm' has an unknown option 'dtpye' (did you mean 'dtype'?)"),
         ({"m": {"model": "x", "max_model_len": "long"}},
-         "model 'm': option max_model_len must be int or NoneType, got 'long'"),
+         "model 'm': option max_model_len must be int or None, got 'long'"),
         ({"m": {"model": "x", "data_parallel_size": 0}},
          "model 'm', data_parallel_size must be a positive integer, got 0"),
         ({"m": {"dtype": "float32"}}, "model 'm' must be an object with a 'model' path"),
