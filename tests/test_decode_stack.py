@@ -118,7 +118,8 @@ def test_stack_equals_python_loop(variant, dtype, quantization, tmp_path: Path, 
     stack = not (dtype == "bfloat16" and quantization == "none" and not _dense_bf16_packs())
     _assert_same_as_python_loop(llm, prompts, params, monkeypatch, stack=stack)
     if stack:
-        assert _trunk(llm)._decode_stack not in (None, False)
+        stack_object = _trunk(llm)._decode_stack
+        assert stack_object is not None and stack_object is not False
 
 
 @pytest.mark.skipif(

@@ -4,7 +4,9 @@ Two extensions, each built by ``build_extension`` with torch's extension tooling
 -march=<arch>``; ``native`` by default, so a build is valid only on the CPU kind it was made on):
 
 - ``quant_ops()``: weight-only quantized matmuls (quant_linear.cpp) and the fused
-  decoder-layer steps (fused_ops.cpp), a Python module;
+  decoder-layer steps (fused_ops.cpp, decode_stack.cpp, int8_linear.cpp, q8_linear.cpp),
+  registered as torch ops (``torch.ops.cenote_quant``; no source includes torch/extension.h,
+  whose pybind11 and torch-python headers took 30 s of compile time per file);
 - ``attention_ops()`` in cenote/models/layers/attention_kernels.py: paged and varlen attention,
   registered as torch ops (``torch.ops.cenote_attention``).
 
@@ -62,8 +64,8 @@ _lock = threading.Lock()
 
 
 class QuantOps(Protocol):
-    """The functions of the quantized-matmul / fused-layer module that cenote calls (its
-    PYBIND11_MODULE in quant_linear.cpp)."""
+    """The functions of the quantized-matmul / fused-layer module that cenote calls (the
+    ``cenote_quant`` torch library: TORCH_LIBRARY in quant_linear.cpp)."""
 
     def quant_matmul(
         self,
@@ -206,7 +208,7 @@ class QuantOps(Protocol):
         ...
 
     def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, /) -> DecodeStack:  # noqa: N802
-        """An empty stack of layers with these attention sizes (the pybind11 class)."""
+        """An empty stack of layers with these attention sizes (a torch custom class)."""
         ...
 
 
@@ -435,15 +437,33 @@ def build_or_none(
         return None
 
 
+class _LibraryOps:
+    """The ``cenote_quant`` library's ops as attributes (``ops.quant_matmul(...)``), each
+    resolved once to its overload so a call costs one dispatch (about 2 us, measured), and its
+    ``DecodeStack`` class (``torch.classes.cenote_quant.DecodeStack``)."""
+
+    def __getattr__(self, name: str) -> object:
+        import torch
+
+        if name == "DecodeStack":
+            found: object = torch.classes.cenote_quant.DecodeStack
+        else:
+            try:
+                found = getattr(torch.ops.cenote_quant, name).default
+            except (AttributeError, RuntimeError) as e:  # no such op in the library
+                raise AttributeError(f"cenote_quant has no op {name!r}") from e
+        setattr(self, name, found)
+        return found
+
+
 @cache
 def _load_quant() -> QuantOps | None:
     def build() -> QuantOps:
-        module = build_extension(
-            "cenote_quant", _QUANT_SOURCES, python_module=True, headers=[_HERE / "bf16_bits.h"]
+        build_extension(
+            "cenote_quant", _QUANT_SOURCES, python_module=False, headers=[_HERE / "bf16_bits.h"]
         )
-        # pybind11 modules carry no type information; QuantOps declares the functions the
-        # sources define
-        return cast(QuantOps, module)
+        # torch.ops carry no static types; QuantOps declares the ops the library registers
+        return cast(QuantOps, _LibraryOps())
 
     return build_or_none(
         build,

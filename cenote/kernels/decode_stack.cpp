@@ -7,9 +7,11 @@
 // add_rms_norm_, silu_and_mul), so its results are bit-identical to
 // LlamaModel._forward_fused.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
 
 #include <cstring>
 #include <vector>
@@ -91,7 +93,7 @@ void write_kv(const at::Tensor& cache, const at::Tensor& qkv, int64_t k_col, int
   }
 }
 
-class DecodeStack {
+class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim) {}
@@ -170,9 +172,11 @@ class DecodeStack {
 
 }  // namespace
 
-void bind_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t>())
+// torch.classes.cenote_quant.DecodeStack: holds tensors, so a custom class (refcounted by
+// torch) rather than a pybind11 class.
+TORCH_LIBRARY_FRAGMENT(cenote_quant, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t>())
       .def("add_linear", &DecodeStack::add_linear)
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
