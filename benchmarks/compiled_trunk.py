@@ -19,7 +19,7 @@ keep each step's input ids, positions and attention metadata (padded rows includ
   specializes on them.
 - ``flat``: the same layers written out over tensors, the copy's weights with plain
   ``F.linear``, attention an opaque ``torch.library.custom_op`` (defined here) that takes the
-  requests' starts / lengths as int64 tensors and calls ``cenote_attention::varlen_attention``;
+  requests' starts / lengths as int64 tensors and calls ``cenote::varlen_attention``;
   compiled with ``dynamic=True`` and ``freezing``.
 - ``flat-nofreeze``: ``flat`` without freezing (inductor then cannot prepack the weights).
 - ``flat-autotune``: ``flat`` with ``mode="max-autotune-no-cudagraphs"`` (CPU GEMM templates).
@@ -142,7 +142,7 @@ def flat_attention(
     out = torch.empty_like(q)
     starts_list, lengths_list = starts.tolist(), lengths.tolist()
     out[starts_list[-1] + lengths_list[-1] :].zero_()
-    torch.ops.cenote_attention.varlen_attention(
+    torch.ops.cenote.varlen_attention(
         q, k, v, out, starts_list, lengths_list, scale, False
     )
     return out

@@ -2,7 +2,7 @@
 
 A native build compiles only this CPU's ``#if`` branches, so on an AVX-512 machine the AVX2 and
 scalar code (what AVX2-only CPUs run) would never be compiled or tested. Each variant here is
-built with ``CENOTE_KERNEL_ARCH`` in a subprocess (its attention ops register the same torch
+built with ``CENOTE_KERNEL_ARCH`` in a subprocess (its library registers the same torch
 namespace as the native build's) and runs a representative subset of the kernel tests: every
 op family (quantized row kernels for 4 and 8 bits with fp32 and with 8-bit activations,
 dequantize, norms, SiLU-and-mul, rotary, argmax, token bitmask, varlen and paged attention, the
@@ -112,8 +112,8 @@ def test_this_build_took_its_own_branches() -> None:
     from cenote.models.layers.attention_kernels import attention_ops
 
     ops = quant_ops()
-    assert ops is not None, "the quantized-matmul kernels did not build for " + arch
-    assert attention_ops() is not None, "the attention kernels did not build for " + arch
+    assert ops is not None, "the kernel library did not build for " + arch
+    assert attention_ops() is not None, "the attention ops are missing from the " + arch + " build"
     assert sorted(ops.compiled_isa()) == VARIANTS[arch]
     assert not ops.quant_dot_supported()
 
@@ -143,7 +143,7 @@ def test_an_arch_the_cpu_lacks_falls_back_with_a_log_line(
 def test_variants_have_their_own_cache_folders(monkeypatch: pytest.MonkeyPatch) -> None:
     """The arch is part of the build's identity, so variants sit side by side in the cache; a
     non-native build does not depend on which CPU made it."""
-    sources = [Path(kernels.__file__).parent / "fused_ops.cpp"]
+    sources = [Path(kernels.__file__).parent / "csrc" / "fused_ops.cpp"]
     names = {arch: extension_name("k", sources, [], arch, "2.0") for arch in KERNEL_ARCHES}
     assert len(set(names.values())) == len(KERNEL_ARCHES)
     assert names["x86-64-v3"].startswith("k_x86_64_v3_") and names["native"].startswith("k_")

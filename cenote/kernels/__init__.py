@@ -1,14 +1,15 @@
 """C++ kernels compiled at first use for this machine's CPU, cached on disk.
 
-Two extensions, each built by ``build_extension`` with torch's extension tooling (``-O3
--march=<arch>``; ``native`` by default, so a build is valid only on the CPU kind it was made on):
+One extension, every source under ``csrc/`` (one file per op family, shared headers in
+``csrc/include/``), built by ``build_extension`` with torch's extension tooling (``-O3
+-march=<arch>``; ``native`` by default, so a build is valid only on the CPU kind it was made on)
+into one torch library, ``torch.ops.cenote`` (schemas and registrations: csrc/registration.cpp;
+no source includes torch/extension.h, whose pybind11 and torch-python headers took 30 s of
+compile time per file). Python reaches it as
 
-- ``quant_ops()``: weight-only quantized matmuls (quant_linear.cpp) and the fused
-  decoder-layer steps (fused_ops.cpp, decode_stack.cpp, int8_linear.cpp, q8_linear.cpp),
-  registered as torch ops (``torch.ops.cenote_quant``; no source includes torch/extension.h,
-  whose pybind11 and torch-python headers took 30 s of compile time per file);
-- ``attention_ops()`` in cenote/models/layers/attention_kernels.py: paged and varlen attention,
-  registered as torch ops (``torch.ops.cenote_attention``).
+- ``quant_ops()``: weight-only quantized matmuls, the fused decoder / encoder layer steps,
+  w8a8 linears, the sampler's argmax and the decode stack;
+- ``attention_ops()`` in cenote/models/layers/attention_kernels.py: paged and varlen attention.
 
 Where a build fails (no C++ compiler, ``CENOTE_DISABLE_KERNELS=1``) the caller gets None and falls
 back to plain torch, with one log line saying why. A build takes under a minute once; the result
@@ -43,13 +44,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_QUANT_SOURCES = [
-    _HERE / "quant_linear.cpp",
-    _HERE / "fused_ops.cpp",
-    _HERE / "decode_stack.cpp",
-    _HERE / "int8_linear.cpp",
-    _HERE / "q8_linear.cpp",
-]
+_SOURCES = sorted((_HERE / "csrc").glob("*.cpp"))
+_HEADERS = sorted((_HERE / "csrc" / "include").glob("*.h"))
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so dequantized values
 # and the fused elementwise ops round exactly as torch and gguf do
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
@@ -65,7 +61,7 @@ _lock = threading.Lock()
 
 class QuantOps(Protocol):
     """The functions of the quantized-matmul / fused-layer module that cenote calls (the
-    ``cenote_quant`` torch library: TORCH_LIBRARY in quant_linear.cpp)."""
+    ``cenote`` torch library: csrc/registration.cpp)."""
 
     def quant_matmul(
         self,
@@ -438,42 +434,45 @@ def build_or_none(
 
 
 class _LibraryOps:
-    """The ``cenote_quant`` library's ops as attributes (``ops.quant_matmul(...)``), each
-    resolved once to its overload so a call costs one dispatch (about 2 us, measured), and its
-    ``DecodeStack`` class (``torch.classes.cenote_quant.DecodeStack``)."""
+    """The ``cenote`` library's ops as attributes (``ops.quant_matmul(...)``), each resolved
+    once to its overload so a call costs one dispatch (about 2 us, measured), and its
+    ``DecodeStack`` class (``torch.classes.cenote.DecodeStack``)."""
 
     def __getattr__(self, name: str) -> object:
         import torch
 
         if name == "DecodeStack":
-            found: object = torch.classes.cenote_quant.DecodeStack
+            found: object = torch.classes.cenote.DecodeStack
         else:
             try:
-                found = getattr(torch.ops.cenote_quant, name).default
+                found = getattr(torch.ops.cenote, name).default
             except (AttributeError, RuntimeError) as e:  # no such op in the library
-                raise AttributeError(f"cenote_quant has no op {name!r}") from e
+                raise AttributeError(f"the cenote kernel library has no op {name!r}") from e
         setattr(self, name, found)
         return found
 
 
 @cache
-def _load_quant() -> QuantOps | None:
-    def build() -> QuantOps:
-        build_extension(
-            "cenote_quant", _QUANT_SOURCES, python_module=False, headers=[_HERE / "bf16_bits.h"]
-        )
-        # torch.ops carry no static types; QuantOps declares the ops the library registers
-        return cast(QuantOps, _LibraryOps())
+def _load_library() -> bool:
+    def build() -> bool:
+        build_extension("cenote_kernels", _SOURCES, python_module=False, headers=_HEADERS)
+        return True
 
-    return build_or_none(
+    built = build_or_none(
         build,
-        "quantized-matmul and fused-layer kernels",
-        "weights run dense and layers unfused",
+        "C++ kernels",
+        "weights run dense, layers unfused, attention loops over requests in Python",
     )
+    return built is True
+
+
+def kernel_library() -> bool:
+    """Whether the ``cenote`` torch library is loaded (built on first call, under a lock)."""
+    with _lock:
+        return _load_library()
 
 
 def quant_ops() -> QuantOps | None:
-    """The compiled quantized-matmul / fused-layer module, built on first call; None if
-    unavailable."""
-    with _lock:
-        return _load_quant()
+    """The quantized-matmul / fused-layer ops of the kernel library (built on first call);
+    None if unavailable. torch.ops carry no static types: QuantOps declares the schemas."""
+    return cast(QuantOps, _LibraryOps()) if kernel_library() else None

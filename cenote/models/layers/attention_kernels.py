@@ -1,5 +1,5 @@
-"""Attention's C++ ops (``attention_kernels.cpp``), built with torch's extension tooling on
-first use for this CPU and cached on disk: ``paged_attention`` (decode rows read their KV blocks
+"""Attention's C++ ops (cenote/kernels/csrc/paged_attention.cpp and varlen_attention.cpp, part
+of the one kernel library cenote.kernels builds on first use for this CPU and caches on disk): ``paged_attention`` (decode rows read their KV blocks
 in place) and ``varlen_attention`` (every request of a flat stream in one call).
 
 Where they cannot be built (no compiler, an unsupported platform) ``attention_ops()`` logs why
@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Protocol, cast
 
 import torch
 
-from cenote.kernels import build_extension, build_or_none
+from cenote.kernels import kernel_library
 
 logger = logging.getLogger(__name__)
 
-_HERE = Path(__file__).parent
-_SOURCES = [_HERE / "attention_kernels.cpp", _HERE / "varlen_attention.cpp"]
-_HEADERS = [_HERE / "attention_common.h", _HERE.parents[1] / "kernels" / "bf16_bits.h"]
-
 
 class AttentionOps(Protocol):
-    """The ops of ``torch.ops.cenote_attention`` (their schemas: TORCH_LIBRARY in
-    attention_kernels.cpp)."""
+    """The attention ops of ``torch.ops.cenote`` (their schemas: cenote/kernels/csrc/
+    registration.cpp)."""
 
     def paged_attention(
         self,
@@ -71,34 +66,23 @@ class AttentionOps(Protocol):
 
 @functools.cache
 def attention_ops() -> AttentionOps | None:
-    """``torch.ops.cenote_attention`` (building it on first call), or None."""
-
-    def build() -> AttentionOps:
-        build_extension("cenote_attention", _SOURCES, python_module=False, headers=_HEADERS)
-        ops = torch.ops.cenote_attention
-        ops.paged_attention  # noqa: B018  (resolving the op checks the library registered it)
-        # an op namespace resolves its ops by name at run time; AttentionOps declares the
-        # schemas the library registers
-        return cast(AttentionOps, ops)
-
-    ops = build_or_none(
-        build,
-        "attention kernels",
-        "attention loops over requests and gathers KV blocks instead",
-        logger,
-    )
-    if ops is not None:
-        _register_fakes()
-    return ops
+    """``torch.ops.cenote`` (the kernel library, built on first call), or None."""
+    if not kernel_library():
+        logger.info("attention loops over requests and gathers KV blocks instead")
+        return None
+    _register_fakes()
+    # an op namespace resolves its ops by name at run time; AttentionOps declares the schemas
+    # the library registers
+    return cast(AttentionOps, torch.ops.cenote)
 
 
 def _register_fakes() -> None:
     """Shape functions, so the ops can sit inside a traced or compiled graph."""
 
-    @torch.library.register_fake("cenote_attention::paged_attention")  # type: ignore[untyped-decorator]
+    @torch.library.register_fake("cenote::paged_attention")  # type: ignore[untyped-decorator]
     def _paged(q: torch.Tensor, *args: object) -> torch.Tensor:
         return torch.empty_like(q)
 
-    @torch.library.register_fake("cenote_attention::varlen_attention")  # type: ignore[untyped-decorator]
+    @torch.library.register_fake("cenote::varlen_attention")  # type: ignore[untyped-decorator]
     def _varlen(*args: object) -> None:
         return None

@@ -28,7 +28,9 @@
 #include <cstring>
 #include <vector>
 
-#include "bf16_bits.h"
+#include "include/bf16_bits.h"
+#include "include/ops.h"
+#include "include/parallel.h"
 
 namespace {
 
@@ -141,17 +143,6 @@ void tile_rows(const Problem& p, const uint8_t* q, const float* scales, const in
       }
     }
   }
-}
-
-// Calls worker(next) on every thread; next() hands out 0, 1, ..., n - 1, then -1.
-template <typename F>
-void share_tasks(int64_t n, F&& worker) {
-  std::atomic<int64_t> counter{0};
-  auto next = [&]() -> int64_t {
-    const int64_t i = counter++;
-    return i < n ? i : -1;
-  };
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { worker(next); });
 }
 
 bool check_product() {
@@ -271,7 +262,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t row_tasks = (M + kRows - 1) / kRows;
   if (row_tasks >= 2 * threads) {
     // many rows: a task quantizes its rows (they stay in cache) and computes all columns
-    share_tasks(row_tasks, [&](auto& next) {
+    cenote::share_tasks(row_tasks, [&](auto& next) {
       std::vector<uint8_t> q(kRows * K4, 0);
       std::vector<float> s(kRows);
       std::vector<int32_t> z(kRows);
@@ -296,7 +287,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     s[r] = quantize_row(p.x + r * p.x_stride, K, K4, &q[r * K4], &z[r]);
   }
   const int64_t row_chunks = (M + kRows - 1) / kRows;
-  share_tasks(row_chunks * blocks, [&](auto& next) {
+  cenote::share_tasks(row_chunks * blocks, [&](auto& next) {
     std::vector<int32_t> acc;
     for (int64_t t = next(); t >= 0; t = next()) {
       const int64_t r0 = (t / blocks) * kRows, b = t % blocks, m = std::min(kRows, M - r0);

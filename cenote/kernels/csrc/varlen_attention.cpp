@@ -31,7 +31,9 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "attention_common.h"
+#include "include/attention_common.h"
+#include "include/ops.h"
+#include "include/parallel.h"
 
 #include <algorithm>
 #include <atomic>
@@ -361,21 +363,7 @@ void attend_brgemm(const BFloat16* q, const BFloat16* k, const BFloat16* v, BFlo
   }
 }
 
-// Calls worker(next) on every thread; next() hands out 0, 1, ..., n - 1, then -1, so each thread
-// takes the next task when it is free.
-template <typename F>
-void share_tasks(int64_t n, F&& worker) {
-  std::atomic<int64_t> counter{0};
-  auto next = [&]() -> int64_t {
-    const int64_t i = counter++;
-    return i < n ? i : -1;
-  };
-  const at::ThreadLocalState caller;  // inference mode, grad mode, ... of the calling thread
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    at::ThreadLocalStateGuard same_state(caller);
-    worker(next);
-  });
-}
+}  // namespace
 
 // Whether the bf16 path runs here: the CPU multiplies bf16 natively (AMX, where
 // cpublas::could_pack is true, or AVX512-BF16, asked of the CPU at run time so that a build for
@@ -474,7 +462,7 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     const auto* vd = v.const_data_ptr<BFloat16>();
     auto* od = out.mutable_data_ptr<BFloat16>();
     const float scale2 = static_cast<float>(scale * 1.4426950408889634);  // scale * log2(e)
-    share_tasks(static_cast<int64_t>(tasks.size()), [&](auto& next) {
+    cenote::share_tasks(static_cast<int64_t>(tasks.size()), [&](auto& next) {
       // subnormal weights (exp of scores far below the row's maximum) flushed to zero: they
       // cannot move a sum of at least 1, and computing them costs microcode assists
 #if defined(__x86_64__)
@@ -513,21 +501,10 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const double longest =
       num_requests ? double(lengths[by_length[0]]) * double(lengths[by_length[0]]) : 0;
   if (threads > 1 && num_requests >= 2 * threads && longest * threads <= total) {
-    share_tasks(num_requests, [&](auto& next) {
+    cenote::share_tasks(num_requests, [&](auto& next) {
       for (int64_t i = next(); i >= 0; i = next()) attend(by_length[i]);
     });
   } else {
     for (int64_t r = 0; r < num_requests; ++r) attend(r);
   }
 }
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(cenote_attention, m) {
-  m.def(
-      "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int[] starts, "
-      "int[] lengths, float scale, bool causal, Tensor? alibi_slopes=None) -> ()");
-  m.def("varlen_micro_kernels() -> bool", [] { return bf16_micro_kernels(); });
-}
-
-TORCH_LIBRARY_IMPL(cenote_attention, CPU, m) { m.impl("varlen_attention", &varlen_attention); }

@@ -25,7 +25,8 @@
 #include <limits>
 #include <vector>
 
-#include "bf16_bits.h"
+#include "include/bf16_bits.h"
+#include "include/ops.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>

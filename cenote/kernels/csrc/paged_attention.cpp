@@ -16,7 +16,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "attention_common.h"
+#include "include/attention_common.h"
+#include "include/ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -414,6 +415,8 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tabl
   });
 }
 
+}  // namespace
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& key_starts,
                            const at::Tensor& key_ends, double scale, double softcap) {
@@ -440,16 +443,4 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
     TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, not ", q.scalar_type());
   }
   return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY(cenote_attention, m) {
-  m.def(
-      "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor key_starts, "
-      "Tensor key_ends, float scale, float softcap) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(cenote_attention, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
 }

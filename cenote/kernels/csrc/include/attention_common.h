@@ -1,10 +1,10 @@
-// Scalar helpers shared by the attention kernels (attention_kernels.cpp, varlen_attention.cpp):
+// Scalar helpers shared by the attention kernels (paged_attention.cpp, varlen_attention.cpp):
 // fp32 reads and rounded writes of fp32 / bf16 elements, and softmax's row maximum and exp.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
-#include "../../kernels/bf16_bits.h"
+#include "bf16_bits.h"
 
 #include <algorithm>
 #include <cmath>

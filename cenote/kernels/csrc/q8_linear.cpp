@@ -20,7 +20,8 @@
 #include <vector>
 #include <immintrin.h>
 
-#include "bf16_bits.h"
+#include "include/bf16_bits.h"
+#include "include/ops.h"
 
 namespace {
 

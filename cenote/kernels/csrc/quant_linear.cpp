@@ -29,7 +29,8 @@
 #include <vector>
 #include <immintrin.h>
 
-#include "bf16_bits.h"
+#include "include/bf16_bits.h"
+#include "include/ops.h"
 
 namespace {
 
@@ -915,80 +916,3 @@ at::Tensor quant_matmul_w4_bf16(const at::Tensor& x, const at::Tensor& q, const 
   return out;
 }
 #endif
-
-// fused_ops.cpp
-void add_rms_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
-                   const at::Tensor& weight, double eps);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
-void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_t width);
-at::Tensor argmax_rows(const at::Tensor& x);
-at::Tensor apply_token_bitmask_(at::Tensor logits, const at::Tensor& rows, const at::Tensor& words);
-void layer_norm_(at::Tensor x, const at::Tensor& weight, const at::Tensor& bias, double eps);
-void add_layer_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
-                     const at::Tensor& weight, const at::Tensor& bias, double eps);
-// q8_linear.cpp
-at::Tensor quant_matmul_q8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                           const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group);
-// int8_linear.cpp
-bool int8_supported();
-std::vector<at::Tensor> int8_pack(const at::Tensor& weight);
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& col_sums, const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& residual, bool gelu);
-
-// One library, ``cenote_quant``, holds every op of this extension (the DecodeStack class joins
-// it from decode_stack.cpp as a fragment). Registered through the dispatcher rather than as a
-// pybind11 module: no translation unit includes torch/extension.h (30 s of the compiler's time
-// each, measured), and an op called with CUDA tensors fails with the dispatcher's clear "not
-// implemented for CUDA" instead of reading device memory on the host. In-place ops declare
-// what they write ((a!)), so a tracer never reorders them. Python reaches the ops through
-// cenote.kernels.quant_ops() (about 2 us of dispatch a call, measured; ~0.7 us through pybind11).
-TORCH_LIBRARY(cenote_quant, m) {
-  // x @ dequant(w).T for few rows (fused), in x's dtype
-  m.def("quant_matmul(Tensor x, Tensor q, Tensor scale, Tensor? mn, int bits, int group) -> Tensor");
-  // dense weight (fp32 or bf16) of a quantized one, optionally into ``buffer``
-  m.def(
-      "quant_dequantize(Tensor q, Tensor scale, Tensor? mn, int bits, int group, "
-      "ScalarType dtype, Tensor(a!)? buffer) -> Tensor");
-  // x @ dequant(w).T of bf16 rows on bf16 dot products
-  m.def(
-      "quant_matmul_dot(Tensor x, Tensor q, Tensor scale, Tensor? mn, int bits, int group) "
-      "-> Tensor");
-  // x @ dequant(w).T with x quantized to 8 bits per block of 32
-  m.def(
-      "quant_matmul_q8(Tensor x, Tensor q, Tensor scale, Tensor? mn, int bits, int group) "
-      "-> Tensor");
-  m.def("quant_dot_supported() -> bool", &quant_dot_supported);
-  m.def("compiled_isa() -> str[]", &compiled_isa);
-  // residual += x; x = rms_norm(residual), in place
-  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-  m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin, int width) -> ()");
-  m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor words) -> Tensor(a!)");
-  m.def("layer_norm_(Tensor(a!) x, Tensor weight, Tensor bias, float eps) -> ()");
-  m.def(
-      "add_layer_norm_(Tensor(a!) x, Tensor? residual, Tensor weight, Tensor bias, float eps) "
-      "-> ()");
-  m.def("int8_supported() -> bool", &int8_supported);
-  m.def("int8_pack(Tensor weight) -> Tensor[]");
-  m.def(
-      "int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor col_sums, Tensor? bias, "
-      "Tensor? residual, bool gelu) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(cenote_quant, CPU, m) {
-  m.impl("quant_matmul", &quant_matmul);
-  m.impl("quant_dequantize", &quant_dequantize);
-  m.impl("quant_matmul_dot", &quant_matmul_dot);
-  m.impl("quant_matmul_q8", &quant_matmul_q8);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_", &rotary_);
-  m.impl("argmax_rows", &argmax_rows);
-  m.impl("apply_token_bitmask_", &apply_token_bitmask_);
-  m.impl("layer_norm_", &layer_norm_);
-  m.impl("add_layer_norm_", &add_layer_norm_);
-  m.impl("int8_pack", &int8_pack);
-  m.impl("int8_linear", &int8_linear);
-}

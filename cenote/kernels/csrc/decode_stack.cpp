@@ -3,7 +3,7 @@
 // attention plan lookups: ~20 torch ops a layer) cost about a third of a one-stream step.
 // ``DecodeStack`` holds the layers' weights once (quantized, oneDNN-prepacked dense, or both)
 // and runs the same ops in the same order with the same kernels (quant_matmul or
-// mkldnn::_linear_pointwise, rotary_, the KV write, cenote_attention::paged_attention,
+// mkldnn::_linear_pointwise, rotary_, the KV write, cenote::paged_attention,
 // add_rms_norm_, silu_and_mul), so its results are bit-identical to
 // LlamaModel._forward_fused.
 
@@ -16,15 +16,7 @@
 #include <cstring>
 #include <vector>
 
-// quant_linear.cpp / fused_ops.cpp
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group);
-at::Tensor quant_matmul_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                            const c10::optional<at::Tensor>& mn, int64_t bits, int64_t group);
-void add_rms_norm_(at::Tensor x, const c10::optional<at::Tensor>& residual,
-                   const at::Tensor& weight, double eps);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
-void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_t width);
+#include "include/ops.h"
 
 namespace {
 
@@ -140,7 +132,7 @@ class DecodeStack : public torch::CustomClassHolder {
                     slot_mapping.numel() == hidden.size(0),
                 "slot_mapping must be int64 [rows]");
     static auto paged = c10::Dispatcher::singleton()
-                            .findSchemaOrThrow("cenote_attention::paged_attention", "")
+                            .findSchemaOrThrow("cenote::paged_attention", "")
                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
                                               const at::Tensor&, const at::Tensor&,
                                               const at::Tensor&, double, double)>();
@@ -172,9 +164,9 @@ class DecodeStack : public torch::CustomClassHolder {
 
 }  // namespace
 
-// torch.classes.cenote_quant.DecodeStack: holds tensors, so a custom class (refcounted by
+// torch.classes.cenote.DecodeStack: holds tensors, so a custom class (refcounted by
 // torch) rather than a pybind11 class.
-TORCH_LIBRARY_FRAGMENT(cenote_quant, m) {
+TORCH_LIBRARY_FRAGMENT(cenote, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t>())
       .def("add_linear", &DecodeStack::add_linear)
