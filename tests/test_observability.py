@@ -6,20 +6,28 @@ tiny Llama, so one start-up covers pooling, scoring and generation."""
 
 from __future__ import annotations
 
+import http.server
 import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from factories.decoders import make_decoder
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixture import free_port
+from server_fixture import ServerProcess, free_port, wait_until
 from starlette.testclient import TestClient
 
 from cenote.engine_args import EngineArgs
@@ -270,3 +278,62 @@ def test_a_negative_log_requests_max_chars_is_refused(capsys) -> None:
         cli._parser().parse_args(["serve", "--log-requests-max-chars", "-1"])
     assert exited.value.code == 2
     assert "--log-requests-max-chars: expected 0 or more, got -1" in capsys.readouterr().err
+
+
+class _Collector(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP trace collector: keeps each export request's decoded spans."""
+
+    received: list[ExportTraceServiceRequest] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        self.received.append(request)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+        self.wfile.write(ExportTraceServiceResponse().SerializeToString())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_cenote_serve_exports_spans_over_otlp_and_logs_requests(monkeypatch) -> None:
+    """The real command: spans reach an OTLP/HTTP collector as the exporter sends them (decoded
+    with OpenTelemetry's own protobuf classes), the log line reaches the server's log."""
+    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # ms: export soon after the request
+    endpoint = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
+    server = ServerProcess(
+        "--dtype", "float32", "--num-threads", "1", "--otlp-traces-endpoint", endpoint,
+        "--log-requests",
+    )  # fmt: skip
+    try:
+        answer = httpx.post(f"{server.url}/v1/embeddings", json={"input": "exported"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+
+        def spans() -> dict[str, Any]:
+            return {
+                span.name: span
+                for request in _Collector.received
+                for resource in request.resource_spans
+                for scope in resource.scope_spans
+                for span in scope.spans
+            }
+
+        wait_until(lambda: "respond" in spans(), "exported spans", timeout_s=30)
+        by_name = spans()
+        root = by_name["POST /v1/embeddings"]
+        assert {name for name in by_name} >= {"POST /v1/embeddings", *POOLING_SPANS}
+        for name in POOLING_SPANS:
+            assert by_name[name].parent_span_id == root.span_id
+        attributes = {a.key: a.value for a in root.attributes}
+        assert attributes["cenote.request_id"].string_value == answer.json()["id"]
+        wait_until(lambda: f"request '{answer.json()['id']}'" in server.log(), "the log line")
+        assert "exported" not in server.log()  # the text is never logged by default
+    finally:
+        server.stop()
+        collector.shutdown()
