@@ -165,7 +165,8 @@ def _attributes(method: str, route: str, status: int, timings: RequestTimings) -
         "http.response.status_code": status,
     }
     optional = {
-        "cenote.request_id": timings.request_id,
+        # a client's request_id is echoed as given: cut, as the log line cuts it
+        "cenote.request_id": None if timings.request_id is None else timings.request_id[:128],
         "gen_ai.request.model": timings.model,
         "cenote.task": timings.task,
     }
