@@ -122,9 +122,14 @@ def serve(args: argparse.Namespace) -> int:
         max_connections=options.max_connections,
         max_connections_per_client=options.max_connections_per_client,
     ))  # fmt: skip
+    tracer = None  # before any model loads: a missing extra fails at once
+    if options.otlp_traces_endpoint is not None:
+        from cenote.server.tracing import RequestTracer
+
+        tracer = RequestTracer.to_endpoint(options.otlp_traces_endpoint)
     served = _served_models(model_specs(args), options, EngineArgs.from_cli_args(args))
     config = uvicorn.Config(
-        build_app(served), host=options.host, port=options.port, log_level=options.log_level,
+        build_app(served, tracer), host=options.host, port=options.port, log_level=options.log_level,
         access_log=False, timeout_graceful_shutdown=None, http=protocol,
         # uvicorn annotates an int, but the value is a loop delay: seconds as a float work
         timeout_keep_alive=options.keep_alive_timeout,  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -54,6 +55,7 @@ from cenote.server.protocol import (
     TokenizeRequest,
     chat_prompt,
 )
+from cenote.server.request_log import log_request
 from cenote.server.responses import (
     DetokenizeResponse,
     HealthResponse,
@@ -66,6 +68,8 @@ from cenote.server.responses import (
 from cenote.server.served_models import ServedModels
 from cenote.server.state import ServerState, get_served, get_state
 from cenote.server.tei_protocol import TEITokenizeRequest
+from cenote.server.timing import RequestTimings
+from cenote.server.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +77,10 @@ router = APIRouter(route_class=JSONRoute)
 _OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 
 
-def build_app(served: ServedModels) -> FastAPI:
+def build_app(served: ServedModels, tracer: RequestTracer | None = None) -> FastAPI:
+    """The app over ``served``; ``tracer``: every request's trace goes to it (``--otlp-traces-
+    endpoint``; None: no tracing, nothing of it runs)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         start = asyncio.create_task(_start_engines(served))
@@ -82,6 +89,8 @@ def build_app(served: ServedModels) -> FastAPI:
         finally:
             start.cancel()
             await served.shutdown()
+            if tracer is not None:
+                tracer.shutdown()  # the spans still batched are sent
 
     app = FastAPI(title="cenote", version=cenote.__version__, lifespan=lifespan)
     app.state.cenote = served
@@ -97,7 +106,7 @@ def build_app(served: ServedModels) -> FastAPI:
     app.include_router(routes_generate.router)
     if served.options.enable_lora_runtime_updating:  # else 404, as vLLM without the flag
         app.include_router(routes_lora.router)
-    app.add_middleware(FrontDoor, served=served)
+    app.add_middleware(FrontDoor, served=served, tracer=tracer)
     return app
 
 
@@ -114,11 +123,16 @@ async def _start_engines(served: ServedModels) -> None:
 
 
 class FrontDoor:
-    """ASGI middleware: API key, body size, readiness, and requests-by-endpoint metrics."""
+    """ASGI middleware: API key, body size, readiness; once the response is sent, the request's
+    metrics (by endpoint, and by task when the engine answered), ``--log-requests`` line and
+    trace."""
 
-    def __init__(self, app: ASGIApp, served: ServedModels) -> None:
+    def __init__(self, app: ASGIApp, served: ServedModels, tracer: RequestTracer | None) -> None:
         self.app = app
         self.served = served
+        self.tracer = tracer
+        self.log_requests = served.options.log_requests
+        self.log_max_chars = served.options.log_requests_max_chars
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -151,7 +165,21 @@ class FrontDoor:
             current_leases.reset(leases_token)
             if self.served.on_demand is not None:  # the response is sent: they may unload
                 self.served.on_demand.release(leases)
-            self.served.metrics.record_request(self._endpoint(scope, path), status)
+            self._observe(scope, path, status, timings)
+
+    def _observe(self, scope: Scope, path: str, status: int, timings: RequestTimings) -> None:
+        """Metrics, the request's log line and its trace, once its response is sent."""
+        endpoint = self._endpoint(scope, path)
+        metrics = self.served.metrics
+        metrics.record_request(endpoint, status)
+        seconds = time.monotonic() - timings.started
+        if timings.model is not None and timings.task is not None and status == 200:
+            metrics.record_task(timings.model, timings.task, timings.num_tokens, seconds)
+        method = scope["method"]
+        if self.log_requests and method == "POST":
+            log_request(method, endpoint, status, seconds, timings, self.log_max_chars)
+        if self.tracer is not None:
+            self.tracer.trace(scope["headers"], method, endpoint, status, timings)
 
     def _check(self, scope: Scope) -> APIError | None:
         path = scope["path"]

@@ -76,8 +76,32 @@ class MetricFamilies:
             "cenote_embedding_cache_bytes", "Embedding cache size: results, keys, overhead"
         )
 
+        # per task, counted once the response is sent (app.py FrontDoor: from the front door
+        # taking the request to the response's last byte); the engine answered each of them
+        task_labels = ["model_name", "task"]
+        self.task_requests = Counter(
+            "cenote_task_requests", "Requests the engine answered, by model and task",
+            task_labels, registry=r,
+        )  # fmt: skip
+        self.task_prompt_tokens = Counter(
+            "cenote_task_prompt_tokens", "Prompt tokens of the requests answered, by task",
+            task_labels, registry=r,
+        )  # fmt: skip
+        self.task_latency = Histogram(
+            "cenote_task_request_latency_seconds",
+            "Time from the front door taking a request to its response sent, by task",
+            task_labels, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+
     def record_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def record_task(self, model: str, task: str, num_prompt_tokens: int, seconds: float) -> None:
+        """One request the engine answered: ``task`` as the route ran it (``score`` for the
+        scoring routes, whatever the model computes under them)."""
+        self.task_requests.labels(model, task).inc()
+        self.task_prompt_tokens.labels(model, task).inc(num_prompt_tokens)
+        self.task_latency.labels(model, task).observe(max(seconds, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,6 +35,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
     state = await get_state(raw_request, body.model, "generate")
     with timing.tokenization():
         job = await state.offload(_job, state, body)  # tokenization off the event loop
+    timing.record_request_id(job.id)
     return await job.respond(raw_request)
 
 
@@ -43,6 +44,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     state = await get_state(raw_request, body.model, "generate")
     with timing.tokenization():
         job = await state.offload(_job, state, body)  # template + tokenizer off the event loop
+    timing.record_request_id(job.id)
     return await job.respond(raw_request)
 
 
@@ -248,6 +250,8 @@ class _Job:
         self.tool_format = plan.format if plan is not None else None
         self.max_tool_calls = plan.max_calls if plan is not None else None
         self._replies: dict[tuple[int, int], AssistantStream] = {}
+        self._engine_started: float | None = None  # time.monotonic(): requests sent to the engine
+        self._engine_finished: float | None = None  # ... and their last output came back
 
     async def respond(self, raw_request: Request) -> Response:
         if self.body.stream:
@@ -273,6 +277,7 @@ class _Job:
                 await queue.put((index, e))
 
         timed: set[int] = set()  # prompts whose time to first token is recorded
+        self._engine_started = started
         client.add(self.requests)
         tasks = [asyncio.create_task(pump(i, r.request_id)) for i, r in enumerate(self.requests)]
         try:
@@ -292,6 +297,7 @@ class _Job:
                         timed.add(index)
                         self.state.metrics.ttft.observe(first_token - started)
                     yield index, item
+            self._engine_finished = time.monotonic()
         finally:
             for task in tasks:
                 task.cancel()
@@ -309,12 +315,7 @@ class _Job:
                 choices.append(self._choice(index, c, final[index], first=True))
         body = self._envelope(choices)
         body["usage"] = self._usage(final, record=True)
-        timing.record_requests(self.requests)
-        timing.record_outputs(
-            [final[i].metrics for i in sorted(final)],
-            body["usage"]["prompt_tokens"],
-            self.state.model_config.device,
-        )
+        self._record_timings(final, body["usage"])
         if self.chat:
             body.update(self._prompt_extras(final[0]))
         return Response(msgspec.json.encode(body), media_type="application/json")
@@ -350,6 +351,7 @@ class _Job:
                     usage = self._usage(final) if continuous else None
                     yield self._sse([choice], chunk=True, usage=usage)
             usage = self._usage(final, record=True)
+            self._record_timings(final, usage)  # headers are gone: logs, metrics, traces
             if options is not None and options.include_usage:
                 yield self._sse([], chunk=True, usage=usage)
         except Exception as e:  # the status the error would have had before the stream began
@@ -551,6 +553,18 @@ class _Job:
         if usage is not None:
             body["usage"] = usage
         return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+    def _record_timings(self, final: dict[int, RequestOutput], usage: dict[str, int]) -> None:
+        """The finished request's engine durations and tokens (cenote/server/timing.py)."""
+        assert self._engine_started is not None and self._engine_finished is not None
+        timing.record_requests(self.requests)
+        run = timing.EngineRun(
+            self.state.model_name, "generate", self.state.model_config.device,
+            self._engine_started, self._engine_finished, usage["completion_tokens"],
+        )  # fmt: skip
+        timing.record_outputs(
+            [final[i].metrics for i in sorted(final)], usage["prompt_tokens"], run
+        )
 
     def _usage(self, final: dict[int, RequestOutput], record: bool = False) -> dict[str, int]:
         """Tokens so far; ``record`` (once, at the end) adds them to the metrics."""

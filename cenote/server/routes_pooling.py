@@ -174,7 +174,8 @@ async def pool(
     # 1) validate and tokenize, off the event loop; 2) run in the core
     with timing.tokenization():
         requests, request_id = await state.offload(_prepare, state, body, task, prefix, prompts)
-    outputs = await state.run_pooling(requests)
+    timing.record_request_id(request_id)
+    outputs = await state.run_pooling(requests, task)
     return outputs, request_id
 
 

@@ -210,7 +210,8 @@ async def _score(
         plan, request_id = await state.offload(
             _prepare, state, body, text_1, text_2, prefix, fit_documents
         )
-    outputs = await state.run_pooling(plan.requests)
+    timing.record_request_id(request_id)
+    outputs = await state.run_pooling(plan.requests, "score")
     return plan.scores(outputs), outputs, request_id, plan.num_truncated_documents
 
 

@@ -68,6 +68,16 @@ def parse_input_type_prompts(text: str) -> dict[str, str]:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerOptions:
     """The server's own options: bounds on what a request may do, access control, connections
@@ -165,6 +175,25 @@ class ServerOptions:
     )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = option(
         "info", "log level of the server and the engine core", parse=str.lower
+    )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "send an OpenTelemetry trace of every request (spans: tokenize, queue, prefill, decode "
+        "or pool, respond) to this OTLP collector, e.g. http://localhost:4317 (gRPC; set "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for OTLP over HTTP); needs "
+        "pip install 'cenote[otel]'",
+        shown="none (no tracing)",
+    )
+    log_requests: bool = option(
+        False,
+        "log one line per API request: id, model, route, task, tokens, status and latency "
+        "(the prompt only as its length, see --log-requests-max-chars)",
+    )
+    log_requests_max_chars: int = option(
+        0,
+        "with --log-requests, also show this many characters of the first input's text",
+        shown="0 (never the text)",
+        parse=_non_negative_int,
     )
     first_byte_timeout: float = option(
         5.0, "seconds a new connection has to send its first byte; silent: closed"
@@ -465,9 +494,12 @@ class ServerState:
 
     # ---- running ------------------------------------------------------------------------------
 
-    async def run_pooling(self, requests: list[ParentRequest]) -> list[PoolingRequestOutput[Any]]:
+    async def run_pooling(
+        self, requests: list[ParentRequest], task: str
+    ) -> list[PoolingRequestOutput[Any]]:
         """Run pooling requests in the core (those the embedding cache does not answer), in
-        order; records latency and prompt tokens (cached ones too, as ``usage`` counts them)."""
+        order; records latency and prompt tokens (cached ones too, as ``usage`` counts them),
+        the request's ``task`` the label of its per-task metrics (``score`` for scoring)."""
         started = time.monotonic()
         cache = self.embedding_cache
         if cache is None:
@@ -477,15 +509,14 @@ class ServerState:
             computed = await run_async(self.client, lookup.misses) if lookup.misses else []
             outputs = cache.complete(lookup, outputs_of(PoolingRequestOutput, computed))
             self.metrics.record_cache(lookup.num_hits, lookup.num_misses, cache)
-        elapsed = time.monotonic() - started
-        self.metrics.ttft.observe(elapsed)
-        self.metrics.e2e.observe(elapsed)
+        finished = time.monotonic()
+        self.metrics.ttft.observe(finished - started)
+        self.metrics.e2e.observe(finished - started)
         num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
         self.metrics.prompt_tokens.inc(float(num_tokens))
         timing.record_requests(requests)
-        timing.record_outputs(
-            [out.metrics for out in outputs], num_tokens, self.model_config.device
-        )
+        run = timing.EngineRun(self.model_name, task, self.model_config.device, started, finished)
+        timing.record_outputs([out.metrics for out in outputs], num_tokens, run)
         return outputs
 
 

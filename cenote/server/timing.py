@@ -18,6 +18,11 @@ response whose work ran in the engine (pooling, scoring, TEI routes, non-streame
 
 A streamed response starts before any work is done, so it carries no timing headers; neither
 does an error, nor a route that never reaches the engine (``/tokenize``, ``/health``).
+
+The same record, read once the response is sent, feeds the per-task metrics, the
+``--log-requests`` line and the trace spans (``cenote/server/observe.py``): it also keeps the
+model, task, request id and output tokens, and the moments (this process's monotonic clock)
+tokenization began and ended and the engine client got the request and gave its last output.
 """
 
 from __future__ import annotations
@@ -43,6 +48,17 @@ class RequestTimings:
     num_characters: int = 0
     compute_type: str = "cpu"  # where the model that answered runs: "cpu" or "cuda"
     ran: bool = False  # the engine answered: headers are sent
+    model: str | None = None  # the served model that answered
+    task: str | None = None  # what it ran: embed, classify, score, generate, ...
+    request_id: str | None = None  # the id the response carries
+    num_inputs: int = 0
+    num_output_tokens: int = 0  # generated tokens (generation)
+    first_prompt: str | None = None  # the first input's text, when it had one
+    tokenization_started: float | None = None  # time.monotonic() of the first tokenization
+    tokenization_finished: float | None = None  # ... and the end of the last
+    engine_started: float | None = None  # the requests went to the engine client
+    engine_finished: float | None = None  # their last output came back
+    first_token_time: float | None = None  # the earliest first generated token (generation)
 
     def record(
         self, metrics: Sequence[dict[str, float]], num_tokens: int, compute_type: str
@@ -54,6 +70,9 @@ class RequestTimings:
             self.inference_seconds = sum(m.get("inference_time", 0.0) for m in metrics) / len(
                 metrics
             )
+            first_tokens = [m["first_token_time"] for m in metrics if "first_token_time" in m]
+            if first_tokens:
+                self.first_token_time = min(first_tokens)
         self.num_tokens += num_tokens
         self.ran = True
 
@@ -88,18 +107,47 @@ def tokenization() -> Iterator[None]:
     finally:
         timings = current_timings.get()
         if timings is not None:
-            timings.tokenization_seconds += time.monotonic() - started
+            finished = time.monotonic()
+            timings.tokenization_seconds += finished - started
+            if timings.tokenization_started is None:
+                timings.tokenization_started = started
+            timings.tokenization_finished = finished
+
+
+def record_request_id(request_id: str) -> None:
+    """The id the current request's response carries (logs and traces name it)."""
+    timings = current_timings.get()
+    if timings is not None:
+        timings.request_id = request_id
 
 
 def record_requests(requests: Sequence[ParentRequest]) -> None:
-    """The characters of the current request's text inputs."""
+    """The number and characters of the current request's inputs, and its first text."""
     timings = current_timings.get()
     if timings is not None:
+        timings.num_inputs += len(requests)
         timings.num_characters += sum(len(r.prompt) for r in requests if r.prompt is not None)
+        if timings.first_prompt is None and requests:
+            timings.first_prompt = requests[0].prompt
 
 
-def record_outputs(metrics: Sequence[dict[str, float]], num_tokens: int, compute_type: str) -> None:
-    """The current request's engine durations (one dict per input), prompt tokens, device."""
+@dataclass(frozen=True)
+class EngineRun:
+    """What answered the current request and when the engine client had it (monotonic)."""
+
+    model: str  # the served model's name
+    task: str  # embed, classify, score, generate, ... (the per-task metrics' label)
+    compute_type: str  # the model's device: "cpu" or "cuda"
+    started: float  # the requests went to the engine client
+    finished: float  # their last output came back
+    num_output_tokens: int = 0  # generated tokens
+
+
+def record_outputs(metrics: Sequence[dict[str, float]], num_tokens: int, run: EngineRun) -> None:
+    """The current request's engine durations (one dict per input), prompt tokens and run."""
     timings = current_timings.get()
     if timings is not None:
-        timings.record(metrics, num_tokens, compute_type)
+        timings.record(metrics, num_tokens, run.compute_type)
+        timings.model, timings.task = run.model, run.task
+        timings.engine_started, timings.engine_finished = run.started, run.finished
+        timings.num_output_tokens += run.num_output_tokens
