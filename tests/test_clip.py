@@ -214,8 +214,41 @@ def test_text_only_folder(tmp_path: Path, kind: str) -> None:
     reference = torch.cat([getattr(o, field) for o in outputs])
     cosine = F.cosine_similarity(_embed(llm, TEXTS), reference, dim=-1)
     assert cosine.min() >= MIN_COSINE_FP32
-    with pytest.raises(InvalidInputError, match="no vision tower"):
+    with pytest.raises(InvalidInputError, match=f"no vision tower .{kind} embeds texts only"):
         llm.embed([{"image": make_image(30, 30)}], use_tqdm=False)
+
+
+@pytest.mark.parametrize("kind", ["CLIPVisionModelWithProjection", "SiglipVisionModel"])
+def test_image_only_folder(tmp_path: Path, kind: str) -> None:
+    """The vision tower alone, saved without a tokenizer: hidden states and image embeddings as
+    transformers gives them (``image_embeds``, SigLIP's ``pooler_output``), images scored
+    against images; a text is a clear error naming what the folder has."""
+    name = "clip" if kind.startswith("CLIP") else "siglip"
+    hf = (make_clip if name == "clip" else make_siglip)(tmp_path, kind)
+    assert not (tmp_path / "tokenizer.json").exists()
+    images = _images()
+    pixels = _hf_pixels(name, tmp_path, images)
+    model = load_model(ModelConfig.from_path(tmp_path, dtype="float32"))
+    assert isinstance(model, ClipModel) and model.text_model is None and model.vision_model
+    with torch.no_grad():
+        hidden = model.vision_model(pixels)
+        outputs = hf(pixel_values=pixels)
+    if name == "siglip":  # transformers returns SigLIP's after the post-LayerNorm
+        hidden = model.vision_model.post_layernorm(hidden)
+    torch.testing.assert_close(hidden, outputs.last_hidden_state, atol=ATOL, rtol=0)
+    reference = outputs.image_embeds if name == "clip" else outputs.pooler_output
+    llm = LLM(str(tmp_path), dtype="float32", num_threads=NUM_THREADS)
+    ours = _embed(llm, [{"image": image} for image in images])
+    cosine = F.cosine_similarity(ours, reference, dim=-1)
+    assert cosine.min() >= MIN_COSINE_FP32, cosine
+    scores = llm.score({"image": images[0]}, [{"image": i} for i in images[1:]], use_tqdm=False)
+    expected = F.cosine_similarity(reference[:1], reference[1:], dim=-1).tolist()
+    assert [o.outputs.score for o in scores] == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(InvalidInputError, match=f"{kind} is an image-only folder"):
+        llm.embed(["a photo of a cat"], use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="image-only folder"):
+        llm.score({"image": images[0]}, ["cat"], use_tqdm=False)
+    assert len(_embed(llm, [{"image": images[0]}])) == 1  # the engine goes on
 
 
 # ---- served: vLLM's messages with image_url parts ---------------------------------------------
