@@ -158,6 +158,10 @@ def test_embeddings_match_sentence_transformers(family) -> None:
     ours = _embed(llm, [*texts, *({"image": image} for image in images)])
     cosine = F.cosine_similarity(ours, reference, dim=-1)
     assert cosine.min() >= MIN_COSINE_FP32, cosine
+    if texts:  # score is sentence-transformers' similarity (cosine) of image and texts
+        similarity = st.similarity(reference[len(texts) :][:1], reference[: len(texts)])[0]
+        scores = llm.score({"image": images[0]}, texts, use_tqdm=False)
+        assert [o.outputs.score for o in scores] == pytest.approx(similarity.tolist(), abs=1e-5)
 
 
 def test_batch_invariance(family) -> None:
