@@ -500,3 +500,44 @@ def test_served_bad_image_scores(clip_server, tmp_path: Path, route: str, case: 
         "query": "cat", "documents": {"content": [good]}}  # fmt: skip
     response = httpx.post(server.url + route, json=fine, timeout=60)
     assert response.status_code == 200, response.text
+
+
+def test_served_image_only_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``cenote serve`` on a vision-only folder (no tokenizer): images embed and score; a text
+    on /v1/embeddings or /score is a 400 naming the folder's architecture, and the server
+    goes on."""
+    from tests.server_fixture import ServerProcess
+
+    folder = tmp_path_factory.mktemp("clip_vision_served")
+    make_clip(folder, "CLIPVisionModelWithProjection")
+    images = [make_image(45, 37), make_image(20, 50, seed=1)]
+    llm = LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)
+    expected = _embed(llm, [{"image": image} for image in images])
+    server = ServerProcess(
+        str(folder), "--dtype", "float32", "--num-threads", str(NUM_THREADS)
+    )  # fmt: skip
+    try:
+        url = server.url
+        response = httpx.post(
+            f"{url}/v1/embeddings", json={"messages": _image_messages(_data_uri(images[0]))}
+        )
+        assert response.status_code == 200, response.text
+        got = torch.tensor(response.json()["data"][0]["embedding"])
+        torch.testing.assert_close(got, expected[0], atol=BATCH_ATOL, rtol=0)
+        parts = [_image_part(_data_uri(image)) for image in images]
+        for path, body in (
+            ("/v1/embeddings", {"input": "a photo of a cat"}),
+            ("/score", {"data_1": "a photo of a cat", "data_2": {"content": parts}}),
+        ):
+            response = httpx.post(url + path, json=body, timeout=60)
+            assert response.status_code == 400, response.text
+            message = response.json()["error"]["message"]
+            assert "CLIPVisionModelWithProjection is an image-only folder" in message
+        body = {"data_1": {"content": parts[:1]}, "data_2": {"content": parts}}
+        response = httpx.post(f"{url}/score", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        scores = [row["score"] for row in response.json()["data"]]
+        cosine = F.cosine_similarity(expected[:1], expected, dim=-1).tolist()
+        assert scores == pytest.approx(cosine, abs=1e-5)
+    finally:
+        server.stop()
