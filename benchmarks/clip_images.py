@@ -1,7 +1,9 @@
 """Image embedding throughput of a full-size CLIP ViT-B/32 (random weights, CLIPConfig's
 defaults: openai/clip-vit-base-patch32's shape): cenote vs transformers (``CLIPImageProcessorPil``
 + ``CLIPModel.get_image_features`` in batches), preprocessing included on both sides. Run from
-``embed_architectures.py --clip-images N``."""
+``embed_architectures.py --clip-images N``; ``python benchmarks/clip_images.py --max-images K``
+times calls of 1, 2, ... K images (one step each, every one a new vision-tower row count)
+twice: the first pass builds oneDNN's primitives for each count, the second reuses them."""
 
 from __future__ import annotations
 
@@ -101,3 +103,49 @@ def bench_clip(
             )
         print(rows[-2], rows[-1], sep="\n", flush=True)
     return rows
+
+
+def bench_image_counts(root: Path, max_images: int, threads: int, dtype_name: str) -> list[str]:
+    """Seconds of calls of 1 .. ``max_images`` images, a cold pass then a warm pass (the same
+    calls again), and what the cold pass spent beyond the warm one."""
+    from cenote import LLM
+
+    folder = build_clip_folder(root)
+    images = make_images(max_images)
+    llm = LLM(str(folder), dtype=dtype_name, num_threads=threads)
+    prompts = [{"image": image} for image in images]
+    passes = []
+    for _ in range(2):
+        start = time.perf_counter()
+        for count in range(1, max_images + 1):
+            llm.embed(prompts[:count], use_tqdm=False)
+        passes.append(time.perf_counter() - start)
+    num_images = max_images * (max_images + 1) // 2
+    rows = [
+        f"clip-vit-b32 {dtype_name} calls of 1..{max_images} images ({num_images} images): "
+        f"cold {passes[0]:.2f} s ({num_images / passes[0]:.1f} img/s), warm {passes[1]:.2f} s "
+        f"({num_images / passes[1]:.1f} img/s), cold - warm {passes[0] - passes[1]:.2f} s"
+    ]
+    print(rows[0], flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+    import os
+    import sys
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from corpus_embed import cpu_description
+
+    parser = argparse.ArgumentParser(description="CLIP vision tower: cold vs warm image counts")
+    parser.add_argument("--max-images", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"cpu: {cpu_description()} threads={args.threads}")
+    with tempfile.TemporaryDirectory(prefix="cenote-clip-counts-") as tmp:
+        for dtype in args.dtypes.split(","):
+            bench_image_counts(Path(tmp), args.max_images, args.threads, dtype)

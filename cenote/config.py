@@ -15,6 +15,7 @@ import torch
 from cenote.lora.request import LoRARequest
 from cenote.models.hub_cache import ModelSource, locate_model
 from cenote.models.registry import (
+    VISION_ONLY_ARCHITECTURES,
     ConvertOption,
     bge_m3_architecture,
     convert_architecture,
@@ -179,7 +180,10 @@ class ModelConfig:
 
     @property
     def vocab_size(self) -> int:
-        return int(text_config(self.hf_config)["vocab_size"])
+        config = text_config(self.hf_config)
+        if "vocab_size" not in config and self.architecture in VISION_ONLY_ARCHITECTURES:
+            return 1  # an image-only folder: its image placeholder token id (0) alone
+        return int(config["vocab_size"])
 
     @property
     def is_matryoshka(self) -> bool:

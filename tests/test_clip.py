@@ -158,6 +158,10 @@ def test_embeddings_match_sentence_transformers(family) -> None:
     ours = _embed(llm, [*texts, *({"image": image} for image in images)])
     cosine = F.cosine_similarity(ours, reference, dim=-1)
     assert cosine.min() >= MIN_COSINE_FP32, cosine
+    if texts:  # score is sentence-transformers' similarity (cosine) of image and texts
+        similarity = st.similarity(reference[len(texts) :][:1], reference[: len(texts)])[0]
+        scores = llm.score({"image": images[0]}, texts, use_tqdm=False)
+        assert [o.outputs.score for o in scores] == pytest.approx(similarity.tolist(), abs=1e-5)
 
 
 def test_batch_invariance(family) -> None:
@@ -182,6 +186,32 @@ def test_image_from_path_and_score(family, tmp_path: Path) -> None:
     scores = [o.outputs.score for o in llm.score({"image": image}, TEXTS, use_tqdm=False)]
     expected = [float(F.cosine_similarity(from_pil, t, dim=0)) for t in texts]
     assert scores == pytest.approx(expected, abs=1e-5)
+
+
+def test_score_matches_transformers_logits(family) -> None:
+    """``score`` is the cosine of the two embeddings, as vLLM's and sentence-transformers'
+    (``similarity``) are: transformers' ``logits_per_image`` without the model's scale (and
+    SigLIP's bias), ``cosine = (logit - logit_bias) / exp(logit_scale)``. Image -> texts and
+    text -> images."""
+    name, folder, hf, llm = family
+    images = _images()[:3]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    pixels = _hf_pixels(name, folder, images)
+    with torch.no_grad():  # [num_images, num_texts]
+        logits = torch.cat(
+            [
+                hf(input_ids=_text_ids(name, tokenizer, t), pixel_values=pixels).logits_per_image
+                for t in TEXTS
+            ],
+            dim=1,
+        )
+        bias = hf.logit_bias if name == "siglip" else 0.0
+        cosine = (logits - bias) / hf.logit_scale.exp()
+    for i, image in enumerate(images):
+        scores = llm.score({"image": image}, TEXTS, use_tqdm=False)
+        assert [o.outputs.score for o in scores] == pytest.approx(cosine[i].tolist(), abs=1e-5)
+    scores = llm.score(TEXTS[1], [{"image": image} for image in images], use_tqdm=False)
+    assert [o.outputs.score for o in scores] == pytest.approx(cosine[:, 1].tolist(), abs=1e-5)
 
 
 def test_offline_bad_images(family, tmp_path: Path) -> None:
@@ -214,8 +244,41 @@ def test_text_only_folder(tmp_path: Path, kind: str) -> None:
     reference = torch.cat([getattr(o, field) for o in outputs])
     cosine = F.cosine_similarity(_embed(llm, TEXTS), reference, dim=-1)
     assert cosine.min() >= MIN_COSINE_FP32
-    with pytest.raises(InvalidInputError, match="no vision tower"):
+    with pytest.raises(InvalidInputError, match=f"no vision tower .{kind} embeds texts only"):
         llm.embed([{"image": make_image(30, 30)}], use_tqdm=False)
+
+
+@pytest.mark.parametrize("kind", ["CLIPVisionModelWithProjection", "SiglipVisionModel"])
+def test_image_only_folder(tmp_path: Path, kind: str) -> None:
+    """The vision tower alone, saved without a tokenizer: hidden states and image embeddings as
+    transformers gives them (``image_embeds``, SigLIP's ``pooler_output``), images scored
+    against images; a text is a clear error naming what the folder has."""
+    name = "clip" if kind.startswith("CLIP") else "siglip"
+    hf = (make_clip if name == "clip" else make_siglip)(tmp_path, kind)
+    assert not (tmp_path / "tokenizer.json").exists()
+    images = _images()
+    pixels = _hf_pixels(name, tmp_path, images)
+    model = load_model(ModelConfig.from_path(tmp_path, dtype="float32"))
+    assert isinstance(model, ClipModel) and model.text_model is None and model.vision_model
+    with torch.no_grad():
+        hidden = model.vision_model(pixels)
+        outputs = hf(pixel_values=pixels)
+    if name == "siglip":  # transformers returns SigLIP's after the post-LayerNorm
+        hidden = model.vision_model.post_layernorm(hidden)
+    torch.testing.assert_close(hidden, outputs.last_hidden_state, atol=ATOL, rtol=0)
+    reference = outputs.image_embeds if name == "clip" else outputs.pooler_output
+    llm = LLM(str(tmp_path), dtype="float32", num_threads=NUM_THREADS)
+    ours = _embed(llm, [{"image": image} for image in images])
+    cosine = F.cosine_similarity(ours, reference, dim=-1)
+    assert cosine.min() >= MIN_COSINE_FP32, cosine
+    scores = llm.score({"image": images[0]}, [{"image": i} for i in images[1:]], use_tqdm=False)
+    expected = F.cosine_similarity(reference[:1], reference[1:], dim=-1).tolist()
+    assert [o.outputs.score for o in scores] == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(InvalidInputError, match=f"{kind} is an image-only folder"):
+        llm.embed(["a photo of a cat"], use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="image-only folder"):
+        llm.score({"image": images[0]}, ["cat"], use_tqdm=False)
+    assert len(_embed(llm, [{"image": images[0]}])) == 1  # the engine goes on
 
 
 # ---- served: vLLM's messages with image_url parts ---------------------------------------------
@@ -325,3 +388,156 @@ def test_served_bad_images(clip_server, tmp_path: Path, case: str) -> None:
         url, json={"messages": _image_messages(_data_uri(make_image(30, 30)))}, timeout=60
     )
     assert good.status_code == 200, good.text
+
+
+# ---- served scores: vLLM's multimodal score inputs ({"content": [parts]}) ---------------------
+
+
+def _image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_served_image_scores(clip_server) -> None:
+    """/score, /v1/score and the rerank routes take images as vLLM sends them: a side is one
+    ``{"content": [parts]}`` (each part an input) or a list of texts and ``{"content": [part]}``
+    elements; scores are the offline engine's (cosines), rerank results return an image
+    document as its ``multi_modal`` part."""
+    server, folder, media = clip_server
+    images = [make_image(45, 37), make_image(20, 50, seed=1)]
+    uris = [_data_uri(image) for image in images]
+    llm = LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)
+    image_vs_texts = [
+        o.outputs.score for o in llm.score({"image": images[0]}, TEXTS[:3], use_tqdm=False)
+    ]
+    text_vs_images = [
+        o.outputs.score
+        for o in llm.score(TEXTS[0], [{"image": image} for image in images], use_tqdm=False)
+    ]
+    from_file = f"file://{media / 'image.png'}"  # the same pixels as images[0]
+    bodies = [
+        ({"data_1": {"content": [_image_part(uris[0])]}, "data_2": TEXTS[:3]}, image_vs_texts),
+        ({"text_1": [{"content": [_image_part(from_file)]}], "text_2": TEXTS[:3]}, image_vs_texts),
+        ({"queries": TEXTS[0], "documents": {"content": [_image_part(u) for u in uris]}},
+         text_vs_images),
+        ({"queries": {"content": [{"type": "text", "text": TEXTS[0]}]},
+          "items": [{"content": [_image_part(uris[0])]}, {"content": [_image_part(uris[1])]}]},
+         text_vs_images),
+    ]  # fmt: skip
+    for path in ("/score", "/v1/score"):
+        for body, expected in bodies:
+            response = httpx.post(server.url + path, json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            got = [row["score"] for row in response.json()["data"]]
+            assert got == pytest.approx(expected, abs=1e-5), body
+    rerank = {"query": TEXTS[0], "documents": {"content": [_image_part(u) for u in uris]}}
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        response = httpx.post(server.url + path, json={**rerank, "return_documents": True})
+        assert response.status_code == 200, response.text
+        results = response.json()["results"]
+        best = max(range(2), key=lambda i: text_vs_images[i])
+        assert [r["index"] for r in results] == [best, 1 - best]
+        assert results[0]["relevance_score"] == pytest.approx(text_vs_images[best], abs=1e-5)
+        assert results[0]["document"] == {"multi_modal": _image_part(uris[best])}
+    body = {
+        "query": {"content": [_image_part(uris[0])]},
+        "documents": [*TEXTS[:2], {"text": "cat"}],
+    }
+    response = httpx.post(server.url + "/v1/rerank", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    scores = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
+    expected = [*image_vs_texts[:2], llm.score({"image": images[0]}, "cat")[0].outputs.score]
+    assert [scores[i] for i in range(3)] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not_an_image",
+        "too_many_pixels",
+        "remote_url",
+        "file_outside",
+        "video_part",
+        "two_parts_in_an_element",
+    ],
+)
+@pytest.mark.parametrize("route", ["/score", "/v1/rerank"])
+def test_served_bad_image_scores(clip_server, tmp_path: Path, route: str, case: str) -> None:
+    """Bad images on the score and rerank routes: a 400 naming the cause, and the engine
+    serves the next request."""
+    server, _, _ = clip_server
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(png_bytes(make_image(30, 30)))
+    good = _image_part(_data_uri(make_image(30, 30)))
+    not_image = "data:image/png;base64," + base64.b64encode(b"plain text").decode()
+    content, expected = {
+        "not_an_image": ({"content": [_image_part(not_image)]}, "not an image"),
+        "too_many_pixels": (
+            {"content": [_image_part(_data_uri(make_image(50, 41)))]},
+            "50 x 41 = 2050 pixels, more than the limit of 2000",
+        ),
+        "remote_url": (
+            {"content": [_image_part("https://example.com/cat.png")]},
+            "--allow-remote-media",
+        ),
+        "file_outside": (
+            {"content": [_image_part(f"file://{outside}")]},
+            "outside the allowed local media",
+        ),
+        "video_part": (
+            {"content": [{"type": "video_url", "video_url": {"url": "x"}}]},
+            "'video_url' part",
+        ),
+        "two_parts_in_an_element": ([{"content": [good, good]}], "holds 2 content parts"),
+    }[case]
+    if route == "/score":
+        body = {"data_1": "a photo of a cat", "data_2": content}
+    else:
+        body = {"query": "a photo of a cat", "documents": content}
+    response = httpx.post(server.url + route, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert expected in response.json()["error"]["message"]
+    fine = {"data_1": "cat", "data_2": {"content": [good]}} if route == "/score" else {
+        "query": "cat", "documents": {"content": [good]}}  # fmt: skip
+    response = httpx.post(server.url + route, json=fine, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+def test_served_image_only_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``cenote serve`` on a vision-only folder (no tokenizer): images embed and score; a text
+    on /v1/embeddings or /score is a 400 naming the folder's architecture, and the server
+    goes on."""
+    from tests.server_fixture import ServerProcess
+
+    folder = tmp_path_factory.mktemp("clip_vision_served")
+    make_clip(folder, "CLIPVisionModelWithProjection")
+    images = [make_image(45, 37), make_image(20, 50, seed=1)]
+    llm = LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)
+    expected = _embed(llm, [{"image": image} for image in images])
+    server = ServerProcess(
+        str(folder), "--dtype", "float32", "--num-threads", str(NUM_THREADS)
+    )  # fmt: skip
+    try:
+        url = server.url
+        response = httpx.post(
+            f"{url}/v1/embeddings", json={"messages": _image_messages(_data_uri(images[0]))}
+        )
+        assert response.status_code == 200, response.text
+        got = torch.tensor(response.json()["data"][0]["embedding"])
+        torch.testing.assert_close(got, expected[0], atol=BATCH_ATOL, rtol=0)
+        parts = [_image_part(_data_uri(image)) for image in images]
+        for path, body in (
+            ("/v1/embeddings", {"input": "a photo of a cat"}),
+            ("/score", {"data_1": "a photo of a cat", "data_2": {"content": parts}}),
+        ):
+            response = httpx.post(url + path, json=body, timeout=60)
+            assert response.status_code == 400, response.text
+            message = response.json()["error"]["message"]
+            assert "CLIPVisionModelWithProjection is an image-only folder" in message
+        body = {"data_1": {"content": parts[:1]}, "data_2": {"content": parts}}
+        response = httpx.post(f"{url}/score", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        scores = [row["score"] for row in response.json()["data"]]
+        cosine = F.cosine_similarity(expected[:1], expected, dim=-1).tolist()
+        assert scores == pytest.approx(cosine, abs=1e-5)
+    finally:
+        server.stop()

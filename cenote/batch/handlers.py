@@ -18,7 +18,7 @@ from cenote.batch.lines import BatchLine, LineError
 from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import UserOutput, outputs_of
 from cenote.engine.params_validator import Params
-from cenote.engine.scoring import pair_texts, plan_scores
+from cenote.engine.scoring import ScoreItem, pair_score_inputs, plan_scores
 from cenote.entrypoints.llm import LLM
 from cenote.inputs import PromptType
 from cenote.outputs import PoolingRequestOutput, RequestOutput
@@ -59,7 +59,7 @@ class GenerationTask:
 class ScoringTask:
     line: BatchLine
     body: ScoreRequest | RerankRequest
-    pairs: list[tuple[str, str]]  # (query, document), each text checked for length
+    pairs: list[tuple[ScoreItem, ScoreItem]]  # (query, document), each text checked for length
 
 
 Task = PoolingTask | GenerationTask | ScoringTask
@@ -137,15 +137,16 @@ class BatchHandlers:
         return GenerationTask(line, body, requests, body.n)
 
     def _prepare_scoring(self, line: BatchLine, body: ScoreRequest | RerankRequest) -> ScoringTask:
-        text_1, text_2 = body.texts()
-        pairs = pair_texts(text_1, text_2)
+        inputs_1, inputs_2 = body.inputs()
+        pairs = pair_score_inputs(inputs_1, inputs_2)
         names = ("query", "documents") if isinstance(body, RerankRequest) else ("text_1", "text_2")
         limit = self.max_input_chars
         for side, name in enumerate(names):
             for i, pair in enumerate(pairs):
-                if len(pair[side]) > limit:
+                text = pair[side]
+                if isinstance(text, str) and len(text) > limit:
                     raise LineError(
-                        f"line {line.number}: {name}[{i}] has {len(pair[side])} characters, "
+                        f"line {line.number}: {name}[{i}] has {len(text)} characters, "
                         f"more than the limit of {limit} (--max-input-chars)"
                     )
         return ScoringTask(line, body, pairs)

@@ -28,3 +28,4 @@ class ModelCapabilities:
     normalizes_embeddings: bool = True  # embed's default normalize
     num_image_tokens: int | None = None  # rows an image prompt takes; None: no images
     image_size: int | None = None  # the vision tower's square (preprocessing default)
+    embeds_text: bool = True  # False: an image-only model (CLIP / SigLIP vision tower alone)

@@ -121,6 +121,7 @@ class EngineCore:
             normalizes_embeddings=embedder.head.default_normalize if embedder else True,
             num_image_tokens=model.num_image_tokens if isinstance(model, ImageTextModel) else None,
             image_size=model.image_size if isinstance(model, ImageTextModel) else None,
+            embeds_text=model.embeds_text if isinstance(model, ImageTextModel) else True,
         )
 
     def _make_kv_cache(self) -> tuple[KVCacheManager, list[torch.Tensor]]:

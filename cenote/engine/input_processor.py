@@ -246,6 +246,11 @@ class InputProcessor:
             if isinstance(prompt, dict) and "image" in prompt:
                 results[i] = self._image(prompt["image"], params, indices[i], label)
                 continue
+            if not self.capabilities.embeds_text:
+                raise InvalidInputError(
+                    f"{label} {indices[i]} is text, but {self.model_config.architecture} is an "
+                    "image-only folder (a vision tower, no text tower): send images"
+                )
             if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
                 ids = self._check_token_ids(prompt["prompt_token_ids"], indices[i])
                 truncated = max_length is not None and len(ids) > max_length
@@ -276,7 +281,10 @@ class InputProcessor:
         where = f"{label} {index}"
         num_tokens, size = self.capabilities.num_image_tokens, self.capabilities.image_size
         if num_tokens is None or size is None:
-            raise InvalidInputError(f"{where} is an image, but this model has no vision tower")
+            raise InvalidInputError(
+                f"{where} is an image, but this model has no vision tower "
+                f"({self.model_config.architecture} embeds texts only)"
+            )
         if not isinstance(params, PoolingParams) or params.task != "embed":
             task = params.task if isinstance(params, PoolingParams) else "generate"
             raise InvalidInputError(f"{where} is an image; images are embedded only, not {task}")

@@ -71,6 +71,21 @@ def pair_inputs(
     return _pairs(*sides)
 
 
+def pair_score_inputs(
+    input_1: ScoreItem | Sequence[ScoreItem], input_2: ScoreItem | Sequence[ScoreItem]
+) -> list[tuple[ScoreItem, ScoreItem]]:
+    """``pair_texts`` when both sides are texts (its messages name texts), else
+    ``pair_inputs``."""
+    sides = [[x] if isinstance(x, str | dict) else list(x) for x in (input_1, input_2)]
+    if all(isinstance(item, str) for side in sides for item in side):
+        return list(pair_texts(*(_texts(side) for side in sides)))
+    return pair_inputs(input_1, input_2)
+
+
+def _texts(items: list[ScoreItem]) -> list[str]:
+    return [item for item in items if isinstance(item, str)]
+
+
 def _pairs(queries: list[T], documents: list[T]) -> list[tuple[T, T]]:
     if len(queries) == 1:
         queries = queries * len(documents)

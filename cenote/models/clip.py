@@ -1,6 +1,7 @@
 """CLIP: a text tower and a vision tower whose pooled outputs are projected into one space
 (``CLIPModel``, and the one-tower folders ``CLIPTextModelWithProjection`` /
-``CLIPVisionModelWithProjection``). SigLIP (``siglip.py``) builds on the same towers.
+``CLIPVisionModelWithProjection``: a request for the tower a folder lacks is refused at the
+edge, ``embeds_text`` and ``num_image_tokens``). SigLIP (``siglip.py``) builds on the same towers.
 
 An image request's rows in the flat batch are placeholders, one per image token (its patches
 and the class token), so the scheduler budgets images as it budgets text; the vision tower reads
@@ -362,18 +363,29 @@ class ClipModel(nn.Module):
         """The trunk's dtype (what its outputs are written in)."""
         return next(self.parameters()).dtype
 
+    @property
+    def embeds_text(self) -> bool:
+        """Whether the folder has a text tower (False: an image-only folder)."""
+        return self.text_model is not None
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        if self.vision_model is None:  # transformers 5 saves SiglipTextModel without the prefix
-            weights = ((_text_tower_name(name), tensor) for name, tensor in weights)
+        # transformers 5 saves SiglipTextModel / SiglipVisionModel without their tower's prefix
+        if self.vision_model is None:
+            weights = ((_tower_name(name, "text_model."), tensor) for name, tensor in weights)
+        elif self.text_model is None:
+            weights = ((_tower_name(name, "vision_model."), tensor) for name, tensor in weights)
         return self.checkpoint_map.load(self, weights)
 
     def required_parameters(self) -> set[str]:
         return self.checkpoint_map.required()
 
 
-def _text_tower_name(name: str) -> str:
-    """A one-tower text checkpoint's tensor name under ``text_model.`` (the projection aside)."""
-    return name if name.startswith(("text_model.", "text_projection.")) else "text_model." + name
+def _tower_name(name: str, prefix: str) -> str:
+    """A one-tower checkpoint's tensor name under its tower's ``prefix`` (CLIP's projections,
+    outside the tower, aside)."""
+    if name.startswith((prefix, "text_projection.", "visual_projection.")):
+        return name
+    return prefix + name
 
 
 def _pad_texts(ids: Tensor, lens: list[int], pad_to: int, pad_id: int) -> tuple[Tensor, Tensor]:

@@ -112,6 +112,7 @@ class ImageTextModel(Model, Protocol):
 
     num_image_tokens: int | None  # rows an image takes; None: no vision tower (text only)
     image_size: int | None  # the square the vision tower sees; None: no vision tower
+    embeds_text: bool  # False: no text tower (an image-only folder)
 
     def __call__(
         self,

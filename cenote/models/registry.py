@@ -91,13 +91,15 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
     (False, ("embed", "embed_sparse", "token_embed")): {
         "BgeM3EmbeddingModel": ("bge_m3", "BgeM3Model"),
     },
-    # two towers projecting texts and images into one space (images are prompts), or the text
-    # tower alone; a vision-only folder has no tokenizer, which the engine needs
+    # two towers projecting texts and images into one space (images are prompts), or one
+    # tower alone (a vision-only folder needs no tokenizer: VISION_ONLY_ARCHITECTURES)
     (False, ("embed",)): {
         "CLIPModel": ("clip", "ClipModel"),
         "CLIPTextModelWithProjection": ("clip", "ClipModel"),
+        "CLIPVisionModelWithProjection": ("clip", "ClipModel"),
         "SiglipModel": ("siglip", "SiglipModel"),
         "SiglipTextModel": ("siglip", "SiglipModel"),
+        "SiglipVisionModel": ("siglip", "SiglipModel"),
     },
     # colbert-ai checkpoints: BERT + linear, token vectors for late interaction (MaxSim)
     (False, ("token_embed",)): {
@@ -131,6 +133,11 @@ _REGISTRY: dict[str, ModelEntry] = {
     for (is_causal, tasks), table in _TABLES.items()
     for architecture, (module, class_name) in table.items()
 }
+
+
+# image-only folders: they embed images, so a folder without tokenizer.json is served with an
+# empty tokenizer (texts are refused at the edge, ModelCapabilities.embeds_text)
+VISION_ONLY_ARCHITECTURES = frozenset({"CLIPVisionModelWithProjection", "SiglipVisionModel"})
 
 
 def supported_architectures() -> list[str]:

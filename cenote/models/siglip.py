@@ -1,9 +1,9 @@
-"""SigLIP (``SiglipModel``, and the one-tower ``SiglipTextModel`` folder): CLIP's towers
-(``clip.py``) with a bidirectional text tower pooled at its last row through a linear ``head``
-(each text padded to ``max_position_embeddings`` with the pad token, no attention mask: the
-``padding="max_length"`` the model card asks for, as it was trained), and a vision tower
-without class token nor pre-LayerNorm whose post-LayerNormed rows are pooled by multi-head
-attention from a learned probe (MAP head)."""
+"""SigLIP (``SiglipModel``, and the one-tower ``SiglipTextModel`` / ``SiglipVisionModel`` folders):
+CLIP's towers (``clip.py``) with a bidirectional text tower pooled at its last row through a
+linear ``head`` (each text padded to ``max_position_embeddings`` with the pad token, no
+attention mask: the ``padding="max_length"`` the model card asks for, as it was trained), and a
+vision tower without class token nor pre-LayerNorm whose post-LayerNormed rows are pooled by
+multi-head attention from a learned probe (MAP head)."""
 
 from __future__ import annotations
 

@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models
 
 from cenote.config import ModelConfig
+from cenote.models.registry import VISION_ONLY_ARCHITECTURES
 
 
 def load_tokenizer(model_config: ModelConfig) -> Tokenizer:
-    """tokenizer.json of a folder, or the tokenizer in a GGUF file's metadata."""
+    """tokenizer.json of a folder, or the tokenizer in a GGUF file's metadata (a vision-only
+    folder without one: an empty tokenizer)."""
     if model_config.gguf is not None:  # the file opened once, by the config
         tokenizer = model_config.gguf.tokenizer
     else:
         path = model_config.path / "tokenizer.json"
+        if not path.exists() and model_config.architecture in VISION_ONLY_ARCHITECTURES:
+            return _empty_tokenizer()
         if not path.exists():
             raise FileNotFoundError(
                 f"{model_config.path} has no tokenizer.json; cenote reads the fast tokenizer "
@@ -25,6 +29,12 @@ def load_tokenizer(model_config: ModelConfig) -> Tokenizer:
     tokenizer.no_padding()
     tokenizer.no_truncation()
     return tokenizer
+
+
+def _empty_tokenizer() -> Tokenizer:
+    """A tokenizer of one unknown token, for a vision-only folder (its requests are images;
+    texts are refused before they are tokenized)."""
+    return Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
 
 
 def load_tokenizer_config(model_config: ModelConfig) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
+from cenote.engine.scoring import ScoreItem
 from cenote.errors import InvalidInputError
 from cenote.inputs import ChatPrompt, ImagePrompt, PromptType, TokensPrompt
 from cenote.pooling_params import PoolingParams
@@ -140,13 +141,19 @@ def image_prompt(messages: ChatMessages) -> ImagePrompt | None:
             "embedding takes exactly one image_url part and no text (send texts as 'input')",
             param="messages",
         )
-    extra = images[0].model_extra or {}
+    return _image_of(images[0], "messages")
+
+
+def _image_of(part: ContentPart, param: str) -> ImagePrompt:
+    """The image an ``image_url`` content part points to (its URL, opened by the input
+    processor under the server's media policy)."""
+    extra = part.model_extra or {}
     image_url = extra.get("image_url")
     url = image_url.get("url") if isinstance(image_url, dict) else image_url
     if not isinstance(url, str):
         raise InvalidInputError(
             "an image_url part must be {'type': 'image_url', 'image_url': {'url': '...'}}",
-            param="messages",
+            param=param,
         )
     return ImagePrompt(image=url)
 
@@ -286,28 +293,72 @@ class _ScoringBody(_Body):
         )
 
 
-ScoreTexts = str | list[str]
+class ScoreContent(_Body):
+    """vLLM's multimodal score input (its ``ScoreMultiModalParam``): ``{"content": [parts]}``,
+    each part an ``image_url`` (as in chat messages) or a ``text``."""
+
+    content: Annotated[list[ContentPart], Field(min_length=1)]
+
+
+# a text, texts, or vLLM's multimodal inputs: one {"content": [...]} whose every part is an
+# input (vLLM's first shape), or a list whose elements are texts or {"content": [one part]}
+ScoreInputs = str | ScoreContent | list[str | ScoreContent]
+
+
+def score_items(value: ScoreInputs, param: str) -> list[ScoreItem]:
+    """The texts and images of one side of a score or rerank body, in order."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, ScoreContent):
+        return [_score_item(part, f"{param}.content[{i}]") for i, part in enumerate(value.content)]
+    items: list[ScoreItem] = []
+    for i, element in enumerate(value):
+        if isinstance(element, str):
+            items.append(element)
+        elif len(element.content) != 1:
+            raise InvalidInputError(
+                f"{param}[{i}] holds {len(element.content)} content parts; each input of a list "
+                "takes exactly one (an image_url or a text part). To score several, list them "
+                "as elements, or as the parts of one top-level {'content': [...]}",
+                param=param,
+            )
+        else:
+            items.append(_score_item(element.content[0], f"{param}[{i}]"))
+    return items
+
+
+def _score_item(part: ContentPart, where: str) -> ScoreItem:
+    if part.type == "image_url":
+        return _image_of(part, where)
+    if part.type == "text" and isinstance(part.text, str):
+        return part.text
+    raise InvalidInputError(
+        f"{where} is a {part.type!r} part; score inputs take 'image_url' parts and 'text' parts "
+        "(with their text)",
+        param=where,
+    )
 
 
 class ScoreRequest(_ScoringBody):
     """POST /score, /v1/score (vLLM): 1 -> 1, 1 -> N or N -> N pairs, given as
     ``queries``/``documents``, ``queries``/``items``, ``data_1``/``data_2`` or
-    ``text_1``/``text_2``."""
+    ``text_1``/``text_2``; each side a text, texts, or vLLM's multimodal ``{"content": [...]}``
+    inputs (images, for models with a vision tower: ``ScoreInputs``)."""
 
-    queries: ScoreTexts | None = None
-    documents: ScoreTexts | None = None
-    items: ScoreTexts | None = None  # vLLM's other name for documents
-    data_1: ScoreTexts | None = None
-    data_2: ScoreTexts | None = None
-    text_1: ScoreTexts | None = None
-    text_2: ScoreTexts | None = None
+    queries: ScoreInputs | None = None
+    documents: ScoreInputs | None = None
+    items: ScoreInputs | None = None  # vLLM's other name for documents
+    data_1: ScoreInputs | None = None
+    data_2: ScoreInputs | None = None
+    text_1: ScoreInputs | None = None
+    text_2: ScoreInputs | None = None
 
     _FIELDS: ClassVar = (
         ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2")
     )  # fmt: skip
 
-    def texts(self) -> tuple[ScoreTexts, ScoreTexts]:
-        """The one pair of text fields the body gives (queries, documents)."""
+    def inputs(self) -> tuple[list[ScoreItem], list[ScoreItem]]:
+        """The inputs of the one pair of fields the body gives (queries, documents)."""
         sent = {n for names in self._FIELDS for n in names if getattr(self, n) is not None}
         given = [names for names in self._FIELDS if sent.issuperset(names)]
         if len(given) != 1 or sent != set(given[0]):
@@ -317,7 +368,7 @@ class ScoreRequest(_ScoringBody):
                 param="queries",
             )
         first, second = given[0]
-        return getattr(self, first), getattr(self, second)
+        return score_items(getattr(self, first), first), score_items(getattr(self, second), second)
 
 
 def check_query(query: str) -> None:
@@ -340,8 +391,10 @@ class RerankRequest(_ScoringBody):
     """POST /rerank, /v1/rerank (Jina) and /v2/rerank (Cohere). Documents are cut to fit the
     model (the query is kept whole), as Cohere and Jina do; ``max_tokens_per_doc`` cuts more."""
 
-    query: str
-    documents: list[str | RerankDocument]  # strings or {"text": ...}
+    query: str | ScoreContent  # a text, or vLLM's {"content": [one image_url or text part]}
+    # strings or {"text": ...}; vLLM's multimodal inputs: elements {"content": [one part]}, or
+    # one {"content": [parts]} whose every part is a document
+    documents: list[str | RerankDocument | ScoreContent] | ScoreContent
     top_n: Count | None = None  # None or 0: every document
     return_documents: bool | None = None  # None: yes on /rerank and /v1/rerank, no on /v2
     # "max": a cross-encoder reads a long document in windows (the query whole in each) and
@@ -358,20 +411,27 @@ class RerankRequest(_ScoringBody):
             return None
         return self.chunk_overlap or 0
 
-    @property
-    def document_texts(self) -> list[str]:
-        return [d if isinstance(d, str) else d.text for d in self.documents]
+    def _document_inputs(self) -> list[str | ScoreContent]:
+        """One element per document (a top-level {"content": [...]}: one per part)."""
+        if isinstance(self.documents, ScoreContent):
+            return [ScoreContent(content=[part]) for part in self.documents.content]
+        return [d.text if isinstance(d, RerankDocument) else d for d in self.documents]
 
-    def texts(self) -> tuple[str, list[str]]:
-        """The query (not empty) and the document texts (at least one)."""
-        check_query(self.query)
-        if not self.documents:
+    def inputs(self) -> tuple[ScoreItem, list[ScoreItem]]:
+        """The query (a text not empty, or an image) and the documents (at least one)."""
+        if isinstance(self.query, str):
+            check_query(self.query)
+            query: ScoreItem = self.query
+        else:
+            (query,) = score_items([self.query], "query")
+        documents = self._document_inputs()
+        if not documents:
             raise InvalidInputError("rerank needs at least one document, got 0", param="documents")
         if self.top_n is not None and self.top_n < 0:
             raise InvalidInputError(
                 f"top_n must be 0 (all) or positive, got {self.top_n}", param="top_n"
             )
-        return self.query, self.document_texts
+        return query, score_items(documents, "documents")
 
     def results(
         self,
@@ -387,16 +447,26 @@ class RerankRequest(_ScoringBody):
             order = order[: self.top_n]
         if self.return_documents is not None:
             return_documents = self.return_documents
-        texts = self.document_texts
+        documents = self._document_inputs()
         results = []
         for i in order:
             result: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
             if chunk_indices is not None and chunk_indices[i] is not None:
                 result["chunk_index"] = chunk_indices[i]
             if return_documents:
-                result["document"] = {"text": texts[i]}
+                result["document"] = _returned_document(documents[i])
             results.append(result)
         return results
+
+
+def _returned_document(document: str | ScoreContent) -> dict[str, Any]:
+    """A rerank result's document: ``{"text": ...}``, or vLLM's ``{"multi_modal": part}``."""
+    if isinstance(document, str):
+        return {"text": document}
+    (part,) = document.content
+    if part.type == "text":
+        return {"text": part.text}
+    return {"multi_modal": part.model_dump(exclude_unset=True)}
 
 
 class StructuredOutputs(_Body):

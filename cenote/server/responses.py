@@ -163,7 +163,11 @@ class ScoreResponse(BaseModel):
 
 
 class RerankText(BaseModel):
-    text: str
+    """A returned document: its text, or (an image document) vLLM's ``multi_modal`` content
+    part as it was sent."""
+
+    text: str | None = None
+    multi_modal: dict[str, Any] | None = None
 
 
 class RerankResult(BaseModel):

@@ -1,9 +1,12 @@
 """POST /classify, /score + /v1/score (vLLM shapes), /rerank + /v1/rerank (Jina shape; /rerank
-also text-embeddings-inference's) and /v2/rerank (Cohere shape). Scoring is planned by ``cenote.engine.scoring``, as in ``LLM.score``:
-cross-encoders read pairs, bi-encoders compare embeddings (cosine), late interaction MaxSim."""
+also text-embeddings-inference's) and /v2/rerank (Cohere shape). Scoring is planned by
+``cenote.engine.scoring``, as in ``LLM.score``: cross-encoders read pairs, bi-encoders compare
+embeddings (cosine), late interaction MaxSim. Models with a vision tower (CLIP, SigLIP) also
+score images, sent in vLLM's multimodal shape (``protocol.ScoreInputs``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,7 +15,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from cenote.engine.input_processor import assign_adapter
-from cenote.engine.scoring import ScorePlan, pair_texts, plan_scores
+from cenote.engine.scoring import ScoreItem, ScorePlan, pair_score_inputs, plan_scores
 from cenote.outputs import PoolingRequestOutput
 from cenote.server import timing
 from cenote.server.body import JSONRoute, answer_tei
@@ -64,8 +67,8 @@ async def create_classify(body: ClassificationRequest, raw_request: Request) -> 
 @with_cancellation
 async def create_score(body: ScoreRequest, raw_request: Request) -> Response:
     state = await get_state(raw_request, body.model, SCORE_TASK)
-    text_1, text_2 = body.texts()
-    scores, outputs, request_id, _ = await _score(state, body, text_1, text_2, "score")
+    inputs_1, inputs_2 = body.inputs()
+    scores, outputs, request_id, _ = await _score(state, body, inputs_1, inputs_2, "score")
     data = [
         {"index": i, "object": "score", "score": out.outputs.score} for i, out in enumerate(scores)
     ]
@@ -185,9 +188,9 @@ async def _rerank(
 ) -> tuple[list[dict[str, Any]], int, int, str]:
     """Results by relevance (best first, ties in input order), the top ``top_n``; the number of
     prompt tokens run; the number of documents cut; the request id."""
-    query, texts = body.texts()
+    query, documents = body.inputs()
     scores, outputs, request_id, num_cut = await _score(
-        state, body, query, texts, "rerank", fit_documents=True
+        state, body, query, documents, "rerank", fit_documents=True
     )
     chunks = [s.outputs.chunk_index for s in scores]
     results = body.results([s.outputs.score for s in scores], return_documents, chunks)
@@ -197,8 +200,8 @@ async def _rerank(
 async def _score(
     state: ServerState,
     body: _ScoringBody,
-    text_1: str | list[str],
-    text_2: str | list[str],
+    text_1: ScoreItem | Sequence[ScoreItem],
+    text_2: ScoreItem | Sequence[ScoreItem],
     prefix: str,
     fit_documents: bool = False,
 ) -> tuple[list[PoolingRequestOutput[Any]], list[PoolingRequestOutput[Any]], str, int]:
@@ -218,15 +221,15 @@ async def _score(
 def _prepare(
     state: ServerState,
     body: _ScoringBody,
-    text_1: str | list[str],
-    text_2: str | list[str],
+    text_1: ScoreItem | Sequence[ScoreItem],
+    text_2: ScoreItem | Sequence[ScoreItem],
     prefix: str,
     fit_documents: bool,
 ) -> tuple[ScorePlan, str]:
     """The score plan of ``body`` (its requests validated, tokenized) and the request id."""
     processor = state.processor()
     adapter = state.check_model(body.model)
-    pairs = pair_texts(text_1, text_2)
+    pairs = pair_score_inputs(text_1, text_2)
     names = ("text_1", "text_2") if prefix == "score" else ("query", "documents")
     state.check_texts([q for q, _ in pairs], names[0])
     state.check_texts([d for _, d in pairs], names[1])

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -479,15 +479,16 @@ class ServerState:
                 f"got {len(prompts)} inputs, the limit per request is {limit}", param="input"
             )
 
-    def check_texts(self, texts: list[str], param: str) -> None:
-        """Scoring inputs: at most ``max_inputs`` texts of at most ``max_input_chars`` each."""
+    def check_texts(self, texts: Sequence[object], param: str) -> None:
+        """Scoring inputs: at most ``max_inputs`` inputs, texts of at most ``max_input_chars``
+        each (images are held to ``max_image_pixels`` where they are opened)."""
         limit, char_limit = self.options.max_inputs, self.options.max_input_chars
         if len(texts) > limit:
             raise BadRequest(
                 f"got {len(texts)} texts in {param}, the limit per request is {limit}", param
             )
         for i, text in enumerate(texts):
-            if len(text) > char_limit:
+            if isinstance(text, str) and len(text) > char_limit:
                 raise BadRequest(
                     f"{param}[{i}] has {len(text)} characters, the limit is {char_limit}", param
                 )

@@ -48,18 +48,23 @@ def _tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def make_clip(folder: Path, kind: str = "CLIPModel", seed: int = 0) -> torch.nn.Module:
-    """A seeded ``CLIPModel`` (or ``CLIPTextModelWithProjection``) folder; returns the model."""
+    """A seeded ``CLIPModel`` (or ``CLIPTextModelWithProjection`` /
+    ``CLIPVisionModelWithProjection``: one tower; the vision one saved without a tokenizer, as
+    image-only folders come) folder; returns the model."""
     text = dict(TEXT, bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_act="quick_gelu")
     vision = dict(VISION, hidden_act="quick_gelu")
     torch.manual_seed(seed)
     if kind == "CLIPModel":
         config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=24)
+    elif kind == "CLIPVisionModelWithProjection":
+        config = transformers.CLIPVisionConfig(**vision, projection_dim=24)
     else:
         config = transformers.CLIPTextConfig(**text, projection_dim=24)
     model = perturb(getattr(transformers, kind)(config))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    _tokenizer(folder, TEXT["vocab_size"])
+    if "Vision" not in kind:
+        _tokenizer(folder, TEXT["vocab_size"])
     transformers.CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     ).save_pretrained(folder)
@@ -67,20 +72,23 @@ def make_clip(folder: Path, kind: str = "CLIPModel", seed: int = 0) -> torch.nn.
 
 
 def make_siglip(folder: Path, kind: str = "SiglipModel", seed: int = 0) -> torch.nn.Module:
-    """A seeded ``SiglipModel`` (no class token, attention-pooling head) or ``SiglipTextModel``
-    folder; returns the model."""
+    """A seeded ``SiglipModel`` (no class token, attention-pooling head), ``SiglipTextModel`` or
+    ``SiglipVisionModel`` (saved without a tokenizer) folder; returns the model."""
     text = dict(TEXT, bos_token_id=0, eos_token_id=1, pad_token_id=2, projection_size=48)
     text["hidden_act"] = vision_act = "gelu_pytorch_tanh"
     vision = dict(VISION, hidden_act=vision_act)
     torch.manual_seed(seed)
     if kind == "SiglipModel":
         config = transformers.SiglipConfig(text_config=text, vision_config=vision)
+    elif kind == "SiglipVisionModel":
+        config = transformers.SiglipVisionConfig(**vision)
     else:
         config = transformers.SiglipTextConfig(**text)
     model = perturb(getattr(transformers, kind)(config))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    _tokenizer(folder, TEXT["vocab_size"])
+    if "Vision" not in kind:
+        _tokenizer(folder, TEXT["vocab_size"])
     transformers.SiglipImageProcessorPil(
         size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     ).save_pretrained(folder)
