@@ -142,9 +142,7 @@ def flat_attention(
     out = torch.empty_like(q)
     starts_list, lengths_list = starts.tolist(), lengths.tolist()
     out[starts_list[-1] + lengths_list[-1] :].zero_()
-    torch.ops.cenote.varlen_attention(
-        q, k, v, out, starts_list, lengths_list, scale, False
-    )
+    torch.ops.cenote.varlen_attention(q, k, v, out, starts_list, lengths_list, scale, False)
     return out
 
 
