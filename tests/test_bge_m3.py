@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 from factories.encoders import make_encoder_classifier
 from factories.texts import random_prompts
 
-from cenote import LLM, PoolingParams
+from cenote import LLM, PoolingParams, SparseEmbeddingOutput
+from cenote.errors import InvalidInputError
 
 NUM_THREADS = 2
 MIN_COSINE_FP32 = 0.9999  # DESIGN.md §3: embeddings vs the reference, fp32
@@ -181,6 +183,119 @@ def test_three_tasks_share_one_engine_step(m3_folder: Path) -> None:
             torch.testing.assert_close(
                 mixed.outputs.data, single.outputs.data, atol=BATCH_ATOL, rtol=0
             )
+
+
+ALL_TASKS = ("embed", "embed_sparse", "token_embed")
+
+
+def test_three_tasks_in_one_request_take_one_trunk_pass(
+    m3_folder: Path, reference: dict[str, list]
+) -> None:
+    """``encode(pooling_task=(...))``: one request per prompt, one step, one trunk call
+    (a forward hook counts them) computing each prompt's tokens once, not once per task; the
+    three outputs equal FlagEmbedding's."""
+    from factories.generation import record_steps
+
+    llm = LLM(str(m3_folder), dtype="float32", num_threads=NUM_THREADS)
+    steps = record_steps(llm)
+    passes: list[int] = []
+    llm.engine.model.register_forward_hook(lambda module, args, out: passes.append(1))
+    outputs = llm.encode(TEXTS, pooling_task=ALL_TASKS)
+    num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    assert len(passes) == 1 and len(steps) == 1
+    scheduled = steps[0].scheduled
+    assert len(scheduled) == len(TEXTS) and sum(s.num_tokens for s in scheduled) == num_tokens
+    for i, out in enumerate(outputs):
+        assert out.outputs.tasks == ALL_TASKS
+        dense = out.outputs["embed"].data
+        cos = F.cosine_similarity(dense, reference["dense"][i], dim=0)
+        assert cos >= MIN_COSINE_FP32, f"text {i}: dense cosine {cos:.6f}"
+        lexical = out.outputs["embed_sparse"]
+        assert isinstance(lexical, SparseEmbeddingOutput)
+        ours, theirs = dict(lexical.pairs), reference["lexical"][i]
+        assert set(ours) == set(theirs), f"text {i}: token ids {sorted(ours)} vs {sorted(theirs)}"
+        ids = sorted(theirs)
+        torch.testing.assert_close(
+            torch.tensor([ours[t] for t in ids]),
+            torch.tensor([theirs[t] for t in ids]),
+            rtol=SPARSE_RTOL,
+            atol=SPARSE_ATOL,
+        )
+        colbert = out.outputs["token_embed"].data
+        assert colbert.shape == reference["colbert"][i].shape
+        cos = F.cosine_similarity(colbert, reference["colbert"][i], dim=-1)
+        assert cos.min() >= MIN_COSINE_FP32, f"text {i}: ColBERT min cosine {cos.min():.6f}"
+
+
+def test_multi_task_outputs_equal_single_task_requests(llm: LLM) -> None:
+    """Each output of a multi-task request equals the one its task gives alone, and any subset
+    in any order comes back in the order asked."""
+    combined = llm.encode(TEXTS, pooling_task=list(ALL_TASKS))
+    for task in ALL_TASKS:
+        alone = llm.encode(TEXTS, pooling_task=task)
+        for multi, single in zip(combined, alone, strict=True):
+            assert type(multi.outputs[task]) is type(single.outputs)
+            torch.testing.assert_close(
+                multi.outputs[task].data, single.outputs.data, atol=BATCH_ATOL, rtol=0
+            )
+    subset = llm.encode(TEXTS[:2], pooling_task=("token_embed", "embed"))
+    assert subset[0].outputs.tasks == ("token_embed", "embed")
+
+
+def test_multi_task_batched_and_mixed_with_single_tasks(m3_folder: Path, llm: LLM) -> None:
+    """Multi-task and single-task requests of different lengths share one engine step; every
+    result equals its prompt alone (batch invariance, 1e-5)."""
+    from factories.generation import record_steps
+
+    mixed_llm = LLM(str(m3_folder), dtype="float32", num_threads=NUM_THREADS)
+    steps = record_steps(mixed_llm)
+    prompts = [{"prompt_token_ids": [0, *p, 2]} for p in random_prompts([5, 23, 9, 41], seed=4)]
+    selections: list[Any] = [ALL_TASKS, "embed_sparse", ("embed", "token_embed"), "embed"]
+    names = [f"mixed-{i}" for i in range(len(prompts))]
+    requests = []
+    for name, prompt, selection in zip(names, prompts, selections, strict=True):
+        params = PoolingParams().with_task(selection)
+        requests += mixed_llm.input_processor.process_batch([name], [prompt], params)
+    mixed_llm.client.add(requests)
+    outputs = mixed_llm.client.wait(names)
+    assert len(steps) == 1 and len(steps[0].scheduled) == len(prompts)
+    for prompt, selection, out in zip(prompts, selections, outputs, strict=True):
+        for task in (selection,) if isinstance(selection, str) else selection:
+            alone = llm.encode([prompt], pooling_task=task)[0].outputs.data
+            got = out.outputs.data if isinstance(selection, str) else out.outputs[task].data
+            torch.testing.assert_close(got, alone, atol=BATCH_ATOL, rtol=0)
+
+
+def test_multi_task_options_apply_to_their_task(llm: LLM) -> None:
+    """``max_active_dims`` cuts the sparse output only; the dense and ColBERT ones are whole."""
+    out = llm.encode(TEXTS[3:4], PoolingParams(max_active_dims=2), pooling_task=ALL_TASKS)[0]
+    assert out.outputs["embed_sparse"].data.count_nonzero() == 2
+    whole = llm.encode(TEXTS[3:4], pooling_task="token_embed")[0].outputs.data
+    torch.testing.assert_close(out.outputs["token_embed"].data, whole, atol=BATCH_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("selection", "message"),
+    [
+        ((), r"task is an empty list"),
+        (("embed", "embed"), r"task lists embed more than once"),
+        (("embed", "classify"), r"task 'classify' is not supported by .*; it supports"),
+        (("embed", "bogus"), r"unknown pooling task 'bogus'"),
+    ],
+)
+def test_bad_multi_task_selection_is_a_clear_error(
+    llm: LLM, selection: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        llm.encode(TEXTS[:1], pooling_task=selection)  # type: ignore[call-overload]
+    assert llm.encode(TEXTS[:1], pooling_task=ALL_TASKS)  # the engine goes on
+
+
+def test_multi_task_options_that_fit_no_task_are_refused(llm: LLM) -> None:
+    with pytest.raises(InvalidInputError, match=r"max_active_dims applies to embed_sparse, none"):
+        llm.encode(TEXTS[:1], PoolingParams(max_active_dims=4), pooling_task=("embed",))
+    with pytest.raises(InvalidInputError, match=r"long_input 'chunk' .* several tasks"):
+        llm.encode(TEXTS[:1], PoolingParams(long_input="chunk"), pooling_task=ALL_TASKS)
 
 
 def test_folder_without_both_heads_is_a_plain_xlm_r(m3_folder: Path, tmp_path: Path) -> None:
