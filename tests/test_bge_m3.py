@@ -27,7 +27,7 @@ from factories.encoders import make_encoder_classifier
 from factories.texts import random_prompts
 
 from cenote import LLM, PoolingParams, SparseEmbeddingOutput
-from cenote.errors import InvalidInputError
+from cenote.errors import InvalidInputError, UnsupportedTaskError
 
 NUM_THREADS = 2
 MIN_COSINE_FP32 = 0.9999  # DESIGN.md §3: embeddings vs the reference, fp32
@@ -298,6 +298,58 @@ def test_multi_task_options_that_fit_no_task_are_refused(llm: LLM) -> None:
         llm.encode(TEXTS[:1], PoolingParams(long_input="chunk"), pooling_task=ALL_TASKS)
 
 
+QUERIES = ["the cat sat", "yes no yes"]
+DOCUMENTS = ["the mat + the cat - a dog", "no no yes yes the dog"]
+CARD_WEIGHTS = [0.4, 0.2, 0.4]  # BGE-M3's model card, compute_score example
+
+
+def _hand_combined_scores(llm: LLM, weights: list[float]) -> list[float]:
+    """FlagEmbedding's "colbert+sparse+dense" of each (QUERIES[i], DOCUMENTS[i]) written out
+    from the three single-task outputs: dense dot product; the lexical matching score over the
+    token ids both texts hold; the mean over query vectors of the best document match."""
+    texts = QUERIES + DOCUMENTS
+    dense = [out.outputs.data for out in llm.embed(texts)]
+    lexical = [dict(out.outputs.pairs) for out in llm.embed_sparse(texts)]
+    colbert = [out.outputs.data for out in llm.encode(texts, pooling_task="token_embed")]
+    scores = []
+    for q in range(len(QUERIES)):
+        d = len(QUERIES) + q
+        dense_score = float(dense[q] @ dense[d])
+        shared = set(lexical[q]) & set(lexical[d])
+        sparse_score = sum(lexical[q][t] * lexical[d][t] for t in shared)
+        best = [max(float(v @ w) for w in colbert[d]) for v in colbert[q]]
+        colbert_score = sum(best) / len(best)
+        total = weights[0] * dense_score + weights[1] * sparse_score + weights[2] * colbert_score
+        scores.append(total / sum(weights))
+    return scores
+
+
+def test_combined_score_matches_hand_computation(llm: LLM) -> None:
+    for weights in (CARD_WEIGHTS, [1.0, 0.3, 1.0], [0.0, 1.0, 0.0]):
+        ours = llm.score(QUERIES, DOCUMENTS, weights_for_different_modes=weights)
+        expected = _hand_combined_scores(llm, weights)
+        got = [out.outputs.score for out in ours]
+        assert got == pytest.approx(expected, abs=1e-5), f"weights {weights}"
+    # without the option: the dense cosine, as before
+    plain = [out.outputs.score for out in llm.score(QUERIES, DOCUMENTS)]
+    dense = llm.embed(QUERIES + DOCUMENTS)
+    cosines = [float(dense[i].outputs.data @ dense[i + 2].outputs.data) for i in range(2)]
+    assert plain == pytest.approx(cosines, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ([0.4, 0.6], r"must be 3 finite non-negative numbers"),
+        ([0.4, -0.2, 0.4], r"must be 3 finite non-negative numbers"),
+        ([0.0, 0.0, 0.0], r"sum to 0"),
+    ],
+)
+def test_bad_mode_weights_are_a_clear_error(llm: LLM, weights: list[float], message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        llm.score(QUERIES, DOCUMENTS, weights_for_different_modes=weights)
+
+
 def test_folder_without_both_heads_is_a_plain_xlm_r(m3_folder: Path, tmp_path: Path) -> None:
     folder = tmp_path / "one-head"
     shutil.copytree(m3_folder, folder)
@@ -305,6 +357,10 @@ def test_folder_without_both_heads_is_a_plain_xlm_r(m3_folder: Path, tmp_path: P
     llm = LLM(str(folder), dtype="float32", num_threads=NUM_THREADS)
     assert llm.config.model.architecture == "XLMRobertaModel"
     assert "embed_sparse" not in llm.supported_tasks
+    with pytest.raises(UnsupportedTaskError, match=r"combines BGE-M3's .* not embed_sparse"):
+        llm.score(QUERIES, DOCUMENTS, weights_for_different_modes=CARD_WEIGHTS)
+    with pytest.raises(UnsupportedTaskError, match=r"task 'embed_sparse' is not supported"):
+        llm.encode(TEXTS[:1], pooling_task=("embed", "embed_sparse"))
 
 
 def test_head_of_wrong_shape_is_a_clear_error(m3_folder: Path, tmp_path: Path) -> None:
@@ -356,3 +412,67 @@ def test_server_serves_the_three_outputs(client: httpx.Client, llm: LLM) -> None
         )
     assert client.get("/info").json()["model_type"] == {"embedding": {"pooling": "cls"}}
     assert client.get("/health").status_code == 200
+
+
+def test_server_pooling_answers_several_tasks(client: httpx.Client, llm: LLM) -> None:
+    """``/pooling`` with ``task`` a list: each input's ``data`` maps every task to the output
+    the offline engine gives for it (the sparse one as its vocabulary vector, as the
+    single-task ``/pooling``)."""
+    texts = TEXTS[:3]
+    response = client.post("/pooling", json={"input": texts, "task": list(ALL_TASKS)})
+    assert response.status_code == 200, response.text
+    offline = llm.encode(texts, pooling_task=ALL_TASKS)
+    for item, out in zip(response.json()["data"], offline, strict=True):
+        assert list(item["data"]) == list(ALL_TASKS)
+        for task in ALL_TASKS:
+            torch.testing.assert_close(
+                torch.tensor(item["data"][task]), out.outputs[task].data, atol=SERVER_ATOL, rtol=0
+            )
+    encoded = client.post(
+        "/pooling",
+        json={"input": texts[0], "task": ["embed", "token_embed"], "encoding_format": "base64"},
+    )
+    assert encoded.status_code == 200, encoded.text
+    assert set(encoded.json()["data"][0]["data"]) == {"embed", "token_embed"}
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"task": []}, "task is an empty list"),
+        ({"task": ["embed", "embed"]}, "task lists embed more than once"),
+        ({"task": ["embed", "classify"]}, "task 'classify' is not supported by"),
+        ({"task": ["embed", "rank"]}, "(got 'rank')"),
+        ({"task": list(ALL_TASKS), "encoding_format": "bytes"}, "answers float or base64"),
+        ({"task": ["embed_sparse"], "dimensions": 8}, "dimensions applies to embed / token_embed"),
+    ],
+)
+def test_server_bad_task_lists_are_400(
+    client: httpx.Client, body: dict[str, Any], message: str
+) -> None:
+    response = client.post("/pooling", json={"input": "the cat", **body})
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_server_score_combines_the_three_modes(client: httpx.Client, llm: LLM) -> None:
+    """``/score`` with ``weights_for_different_modes``: the offline combined scores."""
+    response = client.post(
+        "/score",
+        json={
+            "queries": QUERIES,
+            "documents": DOCUMENTS,
+            "weights_for_different_modes": [1, 0.3, 1],
+        },
+    )
+    assert response.status_code == 200, response.text
+    got = [item["score"] for item in response.json()["data"]]
+    offline = llm.score(QUERIES, DOCUMENTS, weights_for_different_modes=[1.0, 0.3, 1.0])
+    assert got == pytest.approx([out.outputs.score for out in offline], abs=SERVER_ATOL)
+    refused = client.post(
+        "/v1/score",
+        json={"queries": QUERIES, "documents": DOCUMENTS, "weights_for_different_modes": [1, 1]},
+    )
+    assert refused.status_code == 400, refused.text
+    assert "3 finite non-negative numbers" in refused.json()["error"]["message"]

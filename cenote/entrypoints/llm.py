@@ -288,6 +288,7 @@ class LLM:
         use_tqdm: bool = True,
         rerank_chunking: Literal["max"] | None = None,
         chunk_overlap: int = 0,
+        weights_for_different_modes: Sequence[float] | None = None,
     ) -> list[PoolingRequestOutput[ScoringOutput]]:
         """Relevance of each (text_1, text_2) pair (1 -> 1, 1 -> N, N -> N), in input order.
         Classifiers score pairs as cross-encoders (``pooling_params.use_activation``: the
@@ -298,7 +299,11 @@ class LLM:
         (cross-encoders): a long text_2 is read in windows overlapping by ``chunk_overlap``
         tokens, text_1 whole in each; its score is its best window's (``outputs.chunk_index``).
         Models with a vision tower (CLIP, SigLIP) also score images (``{"image": ...}``, on
-        either side) against texts or images: the cosine of their embeddings."""
+        either side) against texts or images: the cosine of their embeddings.
+        ``weights_for_different_modes`` ``[w_dense, w_sparse, w_colbert]`` (BGE-M3; its card
+        uses ``[0.4, 0.2, 0.4]``): each text's dense, sparse and ColBERT outputs come from one
+        pass and the score is FlagEmbedding's ``compute_score`` "colbert+sparse+dense", their
+        scores' weighted mean."""
         if rerank_chunking not in (None, "max"):
             raise InvalidInputError(
                 f"rerank_chunking must be 'max' or None, got {rerank_chunking!r}"
@@ -309,6 +314,7 @@ class LLM:
             self.input_processor, self._next_id(), pairs, params,
             max_tokens_per_doc=max_tokens_per_doc, instruction=instruction,
             chunk_overlap=chunk_overlap if rerank_chunking == "max" else None,
+            mode_weights=weights_for_different_modes,
         )  # fmt: skip
         return plan.scores(
             outputs_of(PoolingRequestOutput, self.client.run(plan.requests, use_tqdm))
