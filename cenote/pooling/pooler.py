@@ -202,18 +202,23 @@ class DispatchPooler(nn.Module):
     def forward(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> list[PoolerResult]:
         """One result per request: its task's tensor, or for a multi-task request a task ->
         tensor map, every task pooled from the same rows (the trunk ran once for them all)."""
+        # 0) the usual step: single-task requests that one pooler serves, handed over whole
+        asked = {params.task for params in metadata.pooling_params}
+        assert None not in asked, "the API that received the request sets its task"
+        single_tasks = [task for task in asked if isinstance(task, str)]
+        if len(single_tasks) == len(asked):
+            poolers = {id(self.poolers[task]): self.poolers[task] for task in single_tasks}
+            if len(poolers) == 1:
+                return list(next(iter(poolers.values()))(hidden, metadata))
         # 1) one job per (request, task): the pooler of the task, the task's own params
         jobs: dict[int, list[tuple[int, PoolingParams]]] = {}  # id(pooler) -> jobs
         by_id: dict[int, Pooler] = {}
         for i, params in enumerate(metadata.pooling_params):
-            assert params.task is not None, "the API that received the request sets its task"
             for task in params.tasks:
                 pooler = self.poolers[task]
                 single = params.for_task(task) if params.is_multi_task else params
                 jobs.setdefault(id(pooler), []).append((i, single))
                 by_id[id(pooler)] = pooler
-        if len(jobs) == 1 and not any(p.is_multi_task for p in metadata.pooling_params):
-            return list(next(iter(by_id.values()))(hidden, metadata))
         # 2) each pooler on its jobs' rows (a request's rows once per task it asks of it)
         results: list[dict[str, torch.Tensor]] = [{} for _ in range(metadata.num_requests)]
         loc = metadata.start_loc
