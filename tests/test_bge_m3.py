@@ -418,9 +418,12 @@ def test_server_pooling_answers_several_tasks(client: httpx.Client, llm: LLM) ->
     """``/pooling`` with ``task`` a list: each input's ``data`` maps every task to the output
     the offline engine gives for it (the sparse one as its vocabulary vector, as the
     single-task ``/pooling``)."""
+    from cenote.server.responses import PoolingResponse
+
     texts = TEXTS[:3]
     response = client.post("/pooling", json={"input": texts, "task": list(ALL_TASKS)})
     assert response.status_code == 200, response.text
+    PoolingResponse.model_validate(response.json())  # the shape the OpenAPI schema states
     offline = llm.encode(texts, pooling_task=ALL_TASKS)
     for item, out in zip(response.json()["data"], offline, strict=True):
         assert list(item["data"]) == list(ALL_TASKS)
@@ -470,6 +473,20 @@ def test_server_score_combines_the_three_modes(client: httpx.Client, llm: LLM) -
     got = [item["score"] for item in response.json()["data"]]
     offline = llm.score(QUERIES, DOCUMENTS, weights_for_different_modes=[1.0, 0.3, 1.0])
     assert got == pytest.approx([out.outputs.score for out in offline], abs=SERVER_ATOL)
+    reranked = client.post(
+        "/rerank",
+        json={
+            "query": QUERIES[0],
+            "documents": DOCUMENTS,
+            "weights_for_different_modes": [1, 0.3, 1],
+        },
+    )
+    assert reranked.status_code == 200, reranked.text
+    expected = llm.score(QUERIES[0], DOCUMENTS, weights_for_different_modes=[1.0, 0.3, 1.0])
+    by_index = {r["index"]: r["relevance_score"] for r in reranked.json()["results"]}
+    assert [by_index[i] for i in range(len(DOCUMENTS))] == pytest.approx(
+        [out.outputs.score for out in expected], abs=SERVER_ATOL
+    )
     refused = client.post(
         "/v1/score",
         json={"queries": QUERIES, "documents": DOCUMENTS, "weights_for_different_modes": [1, 1]},
