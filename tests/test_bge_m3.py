@@ -492,4 +492,10 @@ def test_server_score_combines_the_three_modes(client: httpx.Client, llm: LLM) -
         json={"queries": QUERIES, "documents": DOCUMENTS, "weights_for_different_modes": [1, 1]},
     )
     assert refused.status_code == 400, refused.text
-    assert "3 finite non-negative numbers" in refused.json()["error"]["message"]
+    assert "at least 3 items" in refused.json()["error"]["message"]
+    refused = client.post(
+        "/score",
+        json={"queries": QUERIES, "documents": DOCUMENTS, "weights_for_different_modes": [0, 0, 0]},
+    )
+    assert refused.status_code == 400, refused.text
+    assert "sum to 0" in refused.json()["error"]["message"]

@@ -19,6 +19,8 @@ Int64 = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]  # 0 or more
 PositiveCount = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
 TruncateTokens = Annotated[int, Strict(), Field(ge=-1, le=INT64_MAX)]  # -1: the model's limit
+# BGE-M3's [w_dense, w_sparse, w_colbert] (FlagEmbedding's weights_for_different_modes)
+ModeWeights = Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=3, max_length=3)]
 TokenIds = list[StrictInt]
 PromptInput = str | list[str] | TokenIds | list[TokenIds]
 EmbedDType = Literal["float32", "float16", "bfloat16"]
@@ -284,7 +286,7 @@ class _ScoringBody(_Body):
     request_id: str | None = None
     # cenote extension (BGE-M3): [w_dense, w_sparse, w_colbert] — each text's three outputs
     # from one pass, scored as FlagEmbedding's compute_score "colbert+sparse+dense"
-    weights_for_different_modes: list[float] | None = None
+    weights_for_different_modes: ModeWeights | None = None
 
     def window_overlap(self) -> int | None:
         """Chunk-and-max reranking's window overlap; None: documents are not chunked."""
