@@ -235,9 +235,11 @@ class DispatchPooler(nn.Module):
             for (i, params), result in zip(entries, by_id[key](rows, sub), strict=True):
                 assert isinstance(params.task, str)
                 results[i][params.task] = result
-        # 3) a single-task request's result is its one tensor
+        # 3) a multi-task request's map in the order it asked; a single task's one tensor
         return [
-            found if params.is_multi_task else found[str(params.task)]
+            {task: found[task] for task in params.tasks}
+            if params.is_multi_task
+            else found[str(params.task)]
             for found, params in zip(results, metadata.pooling_params, strict=True)
         ]
 
