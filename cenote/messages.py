@@ -58,6 +58,9 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None  # for new_token_ids, if asked
     new_prompt_logprobs: LogprobsLists | None = None  # for prompt positions computed this step
     pooling_output: torch.Tensor | None = None  # pooled result, when a pooling request finishes
+    # a finished multi-task request's results, by task (a separate field: msgspec decodes no
+    # union of a tensor and a map)
+    pooling_outputs: dict[str, torch.Tensor] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None if running
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

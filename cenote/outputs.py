@@ -84,6 +84,22 @@ class SparseEmbeddingOutput(PoolingOutput):
         return self.data.to_sparse()
 
 
+@dataclass
+class MultiTaskOutput:
+    """The results of one request that asked several pooling tasks of one trunk pass (BGE-M3's
+    dense ``embed``, lexical ``embed_sparse`` and ColBERT ``token_embed`` at once), by task;
+    each is the output the task gives alone (``out.outputs["embed"].data``)."""
+
+    by_task: dict[str, PoolingOutput]  # in the order the tasks were asked
+
+    def __getitem__(self, task: str) -> PoolingOutput:
+        return self.by_task[task]
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(self.by_task)
+
+
 @dataclass(frozen=True)
 class SpecDecodeMetrics:
     """Speculative decoding of one engine since it started (``LLM.spec_decode_metrics()``;

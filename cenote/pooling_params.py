@@ -6,14 +6,25 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cenote.errors import InvalidInputError
-from cenote.tasks import POOLING_TASKS, PoolingTask
+from cenote.tasks import POOLING_TASKS, PoolingTask, PoolingTaskSelection
+
+# the options that apply to some tasks only: a multi-task request hands each task the ones
+# that apply to it (``for_task``)
+TASK_OPTIONS: dict[str, tuple[PoolingTask, ...]] = {
+    "dimensions": ("embed", "token_embed"),
+    "max_active_dims": ("embed_sparse",),
+    "step_tag_id": ("token_classify",),
+    "returned_token_ids": ("token_classify",),
+}
 
 
 @dataclass
 class PoolingParams:
     """Options of one pooling request. ``task`` is filled in by the API that receives it."""
 
-    task: PoolingTask | None = None  # embed | token_embed | classify | token_classify
+    # embed | token_embed | classify | token_classify | embed_sparse, or several of them as a
+    # tuple: every one from the same trunk pass, results by task (a multi-task request)
+    task: PoolingTaskSelection | None = None
     dimensions: int | None = None  # matryoshka truncation of embeddings
     normalize: bool | None = None  # L2-normalize embeddings; None = the model's default
     use_activation: bool | None = None  # classifier activation; None = the model's default
@@ -35,7 +46,11 @@ class PoolingParams:
     instruction_length: int = 0
 
     def __post_init__(self) -> None:
-        if self.task is not None and self.task not in POOLING_TASKS:
+        if isinstance(self.task, list):  # a JSON list or a caller's list: one tuple form
+            self.task = tuple(self.task)
+        if isinstance(self.task, tuple):
+            _check_task_tuple(self.task)
+        elif self.task is not None and self.task not in POOLING_TASKS:
             raise InvalidInputError(
                 f"unknown pooling task {self.task!r}; choose one of {POOLING_TASKS}"
             )
@@ -78,8 +93,54 @@ class PoolingParams:
                 f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}"
             )
 
-    def with_task(self, task: PoolingTask) -> PoolingParams:
+    def with_task(self, task: PoolingTaskSelection) -> PoolingParams:
         """A copy bound to ``task`` (an explicit task that differs is an error)."""
+        if isinstance(task, list):
+            task = tuple(task)
         if self.task is not None and self.task != task:
             raise InvalidInputError(f"pooling params are for task {self.task!r}, not {task!r}")
         return PoolingParams(**{**self.__dict__, "task": task})
+
+    @property
+    def is_multi_task(self) -> bool:
+        """Several tasks from one trunk pass (``task`` is a tuple)."""
+        return isinstance(self.task, tuple)
+
+    @property
+    def tasks(self) -> tuple[PoolingTask, ...]:
+        """The task(s) asked, as a tuple (empty before the API binds one)."""
+        if self.task is None:
+            return ()
+        return self.task if isinstance(self.task, tuple) else (self.task,)
+
+    def for_task(self, task: PoolingTask) -> PoolingParams:
+        """The single-task params of one task of a multi-task request: the options that apply
+        to ``task`` kept, those of its other tasks dropped (``dimensions`` cuts the dense and
+        token embeddings, ``max_active_dims`` the sparse one)."""
+        assert task in self.tasks, f"{task!r} is not one of {self.tasks}"
+        changes: dict[str, object] = {"task": task}
+        for option, applies_to in TASK_OPTIONS.items():
+            if task not in applies_to:
+                changes[option] = None
+        return PoolingParams(**{**self.__dict__, **changes})
+
+
+def _check_task_tuple(tasks: tuple[object, ...]) -> None:
+    """A multi-task selection: at least one known task, each once."""
+    if not tasks:
+        raise InvalidInputError(
+            f"task is an empty list; name one or more of {POOLING_TASKS}", param="task"
+        )
+    unknown = [t for t in tasks if t not in POOLING_TASKS]
+    if unknown:
+        raise InvalidInputError(
+            f"unknown pooling task {unknown[0]!r} in {list(tasks)}; choose from {POOLING_TASKS}",
+            param="task",
+        )
+    repeated = sorted({str(t) for t in tasks if tasks.count(t) > 1})
+    if repeated:
+        raise InvalidInputError(
+            f"task lists {', '.join(repeated)} more than once in {list(tasks)}; name each "
+            "task once",
+            param="task",
+        )

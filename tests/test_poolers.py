@@ -267,6 +267,29 @@ def test_dispatch_routes_each_request_to_its_task_pooler() -> None:
     assert pooler.embedding_size == HIDDEN and pooler.num_labels == NUM_LABELS
 
 
+def test_dispatch_pools_a_multi_task_request_by_each_of_its_tasks() -> None:
+    """A request asking several tasks (one pooler serving two of them) beside single-task ones:
+    its result is a task -> tensor map, in the order asked, each equal to its task asked alone;
+    options go to the tasks they fit (``dimensions``: embeddings, not the classifier)."""
+    embedder, head = _embedder("mean", normalize=True), _score_head()
+    classifier = ClassifierPooler("last", head, "sigmoid", NUM_LABELS)
+    pooler = DispatchPooler({"embed": embedder, "token_embed": embedder, "classify": classifier})
+    hidden = _hidden()
+    multi = PoolingParams(task=("token_embed", "classify", "embed"), normalize=False)
+    params = [PoolingParams(task="embed"), multi, PoolingParams(task="classify")]
+    outputs = pooler(hidden, _metadata(params))
+    assert isinstance(outputs[1], dict) and list(outputs[1]) == list(multi.tasks)
+    for task in multi.tasks:
+        alone = pooler(hidden, _metadata([params[0], multi.for_task(task), params[2]]))
+        torch.testing.assert_close(outputs[1][task], alone[1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(outputs[0], pooler(hidden, _metadata(_params("embed")))[0])
+    rows = _rows(hidden)
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[2], head(rows[2][-1]).sigmoid(), atol=ATOL, rtol=0)
+    assert multi.for_task("classify").dimensions is None
+    assert PoolingParams(task=("embed", "classify"), dimensions=4).for_task("embed").dimensions == 4
+
+
 @pytest.mark.parametrize(
     ("method", "embed_cacheable"), [("last", True), ("mean", False), ("cls", False)]
 )

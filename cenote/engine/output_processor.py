@@ -20,6 +20,7 @@ from cenote.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     Logprob,
+    MultiTaskOutput,
     PoolingOutput,
     PoolingRequestOutput,
     PromptLogprobs,
@@ -29,6 +30,7 @@ from cenote.outputs import (
 from cenote.sampling.detokenizer import IncrementalDetokenizer, TokenTexts
 from cenote.sampling.stop_strings import StopStrings, stop_strings
 from cenote.sampling_params import RequestOutputKind, SamplingParams
+from cenote.tasks import PoolingTaskSelection
 
 
 @dataclass
@@ -84,7 +86,7 @@ class _RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    task: str | None  # the pooling task; None: a generation request
+    task: PoolingTaskSelection | None  # the pooling task(s); None: a generation request
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     completions: dict[str, _Completion] = field(default_factory=dict)  # by engine request id
     prompt_logprobs: PromptLogprobs | None = None
@@ -201,9 +203,12 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             state.add_durations(out)
             if state.task is not None:
-                assert out.pooling_output is not None, "a finished pooling request has a result"
-                pooled = out.pooling_output
+                pooled: torch.Tensor | dict[str, torch.Tensor] | None = out.pooling_output
+                if out.pooling_outputs is not None:  # a multi-task request: never windowed
+                    pooled = out.pooling_outputs
+                assert pooled is not None, "a finished pooling request has a result"
                 if state.chunks is not None:  # a window: join them once all have arrived
+                    assert isinstance(pooled, torch.Tensor), "windows pool one task"
                     state.window_outputs[out.request_id] = pooled
                     if len(state.window_outputs) < len(state.window_ids):
                         continue
@@ -227,15 +232,27 @@ class OutputProcessor:
         return results, to_abort
 
     def _pooling_output(
-        self, state: _RequestState, pooled: torch.Tensor
+        self, state: _RequestState, pooled: torch.Tensor | dict[str, torch.Tensor]
     ) -> PoolingRequestOutput[Any]:
-        output_class = POOLING_OUTPUTS[state.task or "embed"]
-        data = output_class(data=pooled)
+        result: PoolingOutput | MultiTaskOutput
+        if isinstance(pooled, dict):  # a multi-task request: each task's output, in its order
+            assert isinstance(state.task, tuple), "a task map answers a multi-task request"
+            by_task: dict[str, PoolingOutput] = {
+                task: self._task_output(task, pooled[task]) for task in state.task
+            }
+            result = MultiTaskOutput(by_task)
+        else:
+            assert not isinstance(state.task, tuple)
+            result = self._task_output(state.task or "embed", pooled)
+        return PoolingRequestOutput(
+            state.request_id, result, state.prompt_token_ids, metrics=state.durations()
+        )
+
+    def _task_output(self, task: str, pooled: torch.Tensor) -> PoolingOutput:
+        data = POOLING_OUTPUTS[task](data=pooled)
         if isinstance(data, ClassificationOutput):
             data.label_names = self.label_names
-        return PoolingRequestOutput(
-            state.request_id, data, state.prompt_token_ids, metrics=state.durations()
-        )
+        return data
 
     def _update_completion(self, state: _RequestState, out: EngineCoreOutput) -> bool:
         """Apply one step to a completion; True when a stop string finished it here. Several

@@ -6,7 +6,7 @@ from __future__ import annotations
 from cenote.config import ModelConfig
 from cenote.engine.capabilities import ModelCapabilities
 from cenote.errors import InvalidInputError, InvalidInputTypeError, UnsupportedTaskError
-from cenote.pooling_params import PoolingParams
+from cenote.pooling_params import TASK_OPTIONS, PoolingParams
 from cenote.sampling_params import SamplingParams
 
 Params = SamplingParams | PoolingParams
@@ -42,9 +42,38 @@ class ParamsValidator:
         self.truncation_length(params.truncate_prompt_tokens)
 
     def _check_pooling(self, params: PoolingParams) -> None:
-        caps = self.capabilities
         if params.task is None:
             raise InvalidInputError("pooling params need a task (embed, classify, ...)")
+        if isinstance(params.task, tuple):
+            self._check_multi_task(params)
+            return
+        self._check_single_task(params)
+
+    def _check_multi_task(self, params: PoolingParams) -> None:
+        """Several tasks from one trunk pass: each served, each option applying to one of them,
+        and no window joining (its windows would each run every task)."""
+        tasks = params.tasks
+        for task in tasks:
+            self.check_task(task)
+        if params.long_input == "chunk":
+            raise InvalidInputError(
+                "long_input 'chunk' joins the windows of a long text into one embedding; a "
+                f"request for several tasks {list(tasks)} reads each text whole",
+                param="long_input",
+            )
+        for option, applies_to in TASK_OPTIONS.items():
+            if getattr(params, option) is not None and not set(applies_to) & set(tasks):
+                raise InvalidInputError(
+                    f"{option} applies to {' / '.join(applies_to)}, none of the tasks "
+                    f"{list(tasks)}",
+                    param=option,
+                )
+        for task in tasks:
+            self._check_single_task(params.for_task(task))
+
+    def _check_single_task(self, params: PoolingParams) -> None:
+        caps = self.capabilities
+        assert isinstance(params.task, str), "one task here (multi-task requests are split)"
         self.check_task(params.task)
         if params.dimensions is not None:
             if params.task not in ("embed", "token_embed"):

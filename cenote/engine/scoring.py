@@ -7,6 +7,7 @@ input processor; running them is the caller's (its engine client)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -16,11 +17,11 @@ import torch.nn.functional as F
 
 from cenote.engine.chat import render_template
 from cenote.engine.input_processor import InputProcessor, ParentRequest
-from cenote.errors import InvalidInputError
+from cenote.errors import InvalidInputError, UnsupportedTaskError
 from cenote.inputs import ImagePrompt, PromptType
-from cenote.outputs import PoolingRequestOutput, ScoringOutput
+from cenote.outputs import MultiTaskOutput, PoolingRequestOutput, ScoringOutput
 from cenote.pooling_params import PoolingParams
-from cenote.tasks import PoolingTask
+from cenote.tasks import PoolingTask, PoolingTaskSelection
 
 # Qwen3-Reranker's prompt (model card), served with classifier_from_token ["no", "yes"]
 QWEN3_RERANKER_TEMPLATE = (
@@ -146,6 +147,58 @@ def maxsim_scores(queries: list[torch.Tensor], documents: list[torch.Tensor]) ->
     return scores
 
 
+# BGE-M3's three outputs, read from one trunk pass per text, and the weights of their scores
+# (dense, sparse, ColBERT) in its model card's ``compute_score`` example
+M3_TASKS: tuple[PoolingTask, ...] = ("embed", "embed_sparse", "token_embed")
+M3_CARD_WEIGHTS = (0.4, 0.2, 0.4)
+
+
+def check_mode_weights(weights: Sequence[float]) -> tuple[float, float, float]:
+    """``weights_for_different_modes``: three finite non-negative numbers, not all zero."""
+    values = list(weights) if isinstance(weights, Sequence) else []
+    if len(values) != 3 or not all(
+        isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+        for w in values
+    ):
+        raise InvalidInputError(
+            "weights_for_different_modes must be 3 finite non-negative numbers [dense, sparse, "
+            f"colbert] (BGE-M3's card: {list(M3_CARD_WEIGHTS)}), got {weights!r:.100}",
+            param="weights_for_different_modes",
+        )
+    if sum(values) <= 0:
+        raise InvalidInputError(
+            f"weights_for_different_modes {values} sum to 0; at least one must be positive",
+            param="weights_for_different_modes",
+        )
+    return float(values[0]), float(values[1]), float(values[2])
+
+
+def combined_mode_scores(
+    queries: list[MultiTaskOutput],
+    documents: list[MultiTaskOutput],
+    weights: tuple[float, float, float],
+) -> list[float]:
+    """FlagEmbedding's ``BGEM3FlagModel.compute_score`` "colbert+sparse+dense" per pair, fp32:
+    ``(w_dense * dense + w_sparse * sparse + w_colbert * colbert) / sum(weights)``, where dense
+    is the dot product of the normalized CLS embeddings, sparse the lexical matching score (the
+    sum over tokens in both texts of the product of their weights: the dot product of the
+    vocabulary vectors, zero elsewhere) and colbert the mean over the query's vectors of their
+    best dot product with the document's."""
+    w_dense, w_sparse, w_colbert = weights
+    dense = dot_scores([q["embed"].data for q in queries], [d["embed"].data for d in documents])
+    sparse = dot_scores(
+        [q["embed_sparse"].data for q in queries], [d["embed_sparse"].data for d in documents]
+    )
+    scores = []
+    for q, d, dense_score, sparse_score in zip(queries, documents, dense, sparse, strict=True):
+        q_vectors = q["token_embed"].data.float()  # [query tokens - 1, colbert_dim]
+        d_vectors = d["token_embed"].data.float()  # [document tokens - 1, colbert_dim]
+        colbert = (q_vectors @ d_vectors.T).max(dim=-1).values.mean().item()
+        total = w_dense * dense_score + w_sparse * sparse_score + w_colbert * colbert
+        scores.append(total / (w_dense + w_sparse + w_colbert))
+    return scores
+
+
 # ---- the plan of one score call ---------------------------------------------------------------
 
 
@@ -158,6 +211,9 @@ class ScorePlan:
     document_rows: list[int] | None  # per pair: the row of its document; None: cross-encoder
     late_interaction: bool = False  # MaxSim over token embeddings instead of cosine
     sparse: bool = False  # dot product of sparse embeddings instead of cosine
+    # BGE-M3: dense, sparse and ColBERT outputs of one pass per text, their scores combined
+    # with these weights (FlagEmbedding's weights_for_different_modes) instead of cosine
+    mode_weights: tuple[float, float, float] | None = None
     num_truncated_documents: int = 0  # documents cut (to fit, or to max_tokens_per_doc)
     # chunk-and-max (cross-encoders): per pair, the rows of its document's windows
     window_rows: list[list[int]] | None = None
@@ -187,7 +243,14 @@ class ScorePlan:
             similarity = dot_scores
         queries = [outputs[row] for row in self.query_rows]
         documents = [outputs[row] for row in self.document_rows]
-        values = similarity([q.outputs.data for q in queries], [d.outputs.data for d in documents])
+        if self.mode_weights is not None:
+            values = combined_mode_scores(
+                [q.outputs for q in queries], [d.outputs for d in documents], self.mode_weights
+            )
+        else:
+            values = similarity(
+                [q.outputs.data for q in queries], [d.outputs.data for d in documents]
+            )
         return [
             PoolingRequestOutput(
                 request_id=d.request_id,
@@ -209,6 +272,7 @@ def plan_scores(
     fit_documents: bool = False,
     priority: int = 0,
     chunk_overlap: int | None = None,
+    mode_weights: Sequence[float] | None = None,
 ) -> ScorePlan:
     """The requests (ids ``{request_id}-{i}``) that score ``pairs`` on the processor's model.
     ``params``: the caller's options (``truncate_prompt_tokens`` and ``truncation_side`` cut
@@ -217,9 +281,20 @@ def plan_scores(
     cut; rerank's default: 4096, Cohere's). ``fit_documents`` (rerank, as Cohere and Jina):
     documents too long for the model are cut to fit, queries are kept whole. ``chunk_overlap``
     (cross-encoders; rerank_chunking "max"): a document is read in windows that overlap by this
-    many tokens, the query whole in each, and scores as its best window. Errors name the query
-    or document at fault by its index."""
+    many tokens, the query whole in each, and scores as its best window. ``mode_weights``
+    (models serving embed, embed_sparse and token_embed: BGE-M3): each text's three outputs
+    from one pass, combined as FlagEmbedding's ``compute_score`` with
+    ``weights_for_different_modes``. Errors name the query or document at fault by its index."""
     processor.check_task("score")
+    if mode_weights is not None:
+        weights = check_mode_weights(mode_weights)
+        for task in M3_TASKS:
+            if task not in processor.capabilities.supported_tasks:
+                raise UnsupportedTaskError(
+                    "weights_for_different_modes combines BGE-M3's dense, sparse and ColBERT "
+                    f"scores; {processor.model_config.served_model_name} serves "
+                    f"{', '.join(processor.capabilities.supported_tasks)}, not {task}"
+                )
     params = params or PoolingParams()
     if max_tokens_per_doc is not None and (
         not isinstance(max_tokens_per_doc, int) or max_tokens_per_doc < 0
@@ -244,6 +319,8 @@ def plan_scores(
             f"applies to cross-encoders; {processor.model_config.served_model_name} scores by "
             f"{processor.capabilities.score_type}"
         )
+    if mode_weights is not None:
+        return dataclasses.replace(plan.embeddings(pairs, M3_TASKS), mode_weights=weights)
     return plan.embeddings(pairs)
 
 
@@ -340,15 +417,22 @@ class _Planner:
             requests, [r[0] for r in rows], None, num_truncated_documents=num_cut, window_rows=rows
         )
 
-    def embeddings(self, pairs: Sequence[tuple[ScoreItem, ScoreItem]]) -> ScorePlan:
-        """Embed each distinct query once and every document, then compare per pair."""
+    def embeddings(
+        self,
+        pairs: Sequence[tuple[ScoreItem, ScoreItem]],
+        multi_task: tuple[PoolingTask, ...] | None = None,
+    ) -> ScorePlan:
+        """Embed each distinct query once and every document, then compare per pair;
+        ``multi_task``: every text gets these tasks' outputs from one pass instead."""
         processor = self.processor
         score_type = processor.capabilities.score_type
         tasks: dict[str, PoolingTask] = {
             "late_interaction": "token_embed",
             "sparse": "embed_sparse",
         }
-        task = tasks.get(score_type or "", "embed")
+        task: PoolingTaskSelection = tasks.get(score_type or "", "embed")
+        if multi_task is not None:
+            task, score_type = multi_task, None
         truncate = self.params.truncate_prompt_tokens
         doc_truncate = truncate
         if self.max_tokens_per_doc is not None:

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypedDict, TypeVar, Unpack, cast
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, cast, overload
 
 from cenote.assistant.message import parse_assistant
 from cenote.assistant.reasoning import (
@@ -40,6 +40,7 @@ from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import (
     ClassificationOutput,
     EmbeddingOutput,
+    MultiTaskOutput,
     PoolingOutput,
     PoolingRequestOutput,
     RequestOutput,
@@ -50,7 +51,7 @@ from cenote.outputs import (
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import RequestOutputKind, SamplingParams
 from cenote.structured.params import StructuredOutputsParams
-from cenote.tasks import PoolingTask
+from cenote.tasks import PoolingTask, PoolingTaskSelection
 
 __all__ = [
     "LLM",
@@ -62,13 +63,14 @@ __all__ = [
     "PoolingRequestOutput",
     "ClassificationOutput",
     "EmbeddingOutput",
+    "MultiTaskOutput",
     "PoolingOutput",
     "ScoringOutput",
     "SparseEmbeddingOutput",
     "SpecDecodeMetrics",
 ]
 
-_Output = TypeVar("_Output", bound=PoolingOutput)
+_Output = TypeVar("_Output", bound=PoolingOutput | MultiTaskOutput)
 # prompts made (tokenized) at once when made beside the steps (off the CPU): 8,192 short texts
 # are 8 parts, the first one's tokenization the only one not behind a step
 _INPUT_PART = 1024
@@ -198,6 +200,7 @@ class LLM:
                 out.outputs.tokens = [self.tokenizer.id_to_token(i) or "" for i in ids]
         return outputs
 
+    @overload
     def encode(
         self,
         prompts: Prompts,
@@ -206,8 +209,32 @@ class LLM:
         pooling_task: PoolingTask = "embed",
         role: TextRole | None = None,
         **options: Unpack[PoolOptions],
-    ) -> list[PoolingRequestOutput[PoolingOutput]]:
-        """The raw pooler output of ``pooling_task`` per prompt (``outputs.data``). ``role``
+    ) -> list[PoolingRequestOutput[PoolingOutput]]: ...
+
+    @overload
+    def encode(
+        self,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
+        *,
+        pooling_task: tuple[PoolingTask, ...] | list[PoolingTask],
+        role: TextRole | None = None,
+        **options: Unpack[PoolOptions],
+    ) -> list[PoolingRequestOutput[MultiTaskOutput]]: ...
+
+    def encode(
+        self,
+        prompts: Prompts,
+        pooling_params: PoolingParamsArg = None,
+        *,
+        pooling_task: PoolingTask | tuple[PoolingTask, ...] | list[PoolingTask] = "embed",
+        role: TextRole | None = None,
+        **options: Unpack[PoolOptions],
+    ) -> list[PoolingRequestOutput[PoolingOutput]] | list[PoolingRequestOutput[MultiTaskOutput]]:
+        """The raw pooler output of ``pooling_task`` per prompt (``outputs.data``). Several
+        tasks (a tuple or list, e.g. BGE-M3's ``("embed", "embed_sparse", "token_embed")``)
+        are read from one trunk pass per prompt: ``outputs`` is then a ``MultiTaskOutput``,
+        each task's output under its name (``outputs["embed"].data``). ``role``
         (ColBERT models: colbert-ai and PyLate folders): texts are formatted as a "query"
         (query marker, [MASK] expansion to the query length) or a "document" (the default:
         document marker, cut to the document length), as PyLate's ``encode(is_query=...)``."""
@@ -216,6 +243,11 @@ class LLM:
                 f"role applies to ColBERT models; {self.config.model.served_model_name} "
                 "formats every text alike"
             )
+        if isinstance(pooling_task, tuple | list):
+            return self._pool(
+                MultiTaskOutput, tuple(pooling_task), prompts, pooling_params,
+                role=role or "document", **options,
+            )  # fmt: skip
         return self._pool(
             PoolingOutput, pooling_task, prompts, pooling_params, role=role or "document",
             **options,
@@ -256,6 +288,7 @@ class LLM:
         use_tqdm: bool = True,
         rerank_chunking: Literal["max"] | None = None,
         chunk_overlap: int = 0,
+        weights_for_different_modes: Sequence[float] | None = None,
     ) -> list[PoolingRequestOutput[ScoringOutput]]:
         """Relevance of each (text_1, text_2) pair (1 -> 1, 1 -> N, N -> N), in input order.
         Classifiers score pairs as cross-encoders (``pooling_params.use_activation``: the
@@ -266,7 +299,11 @@ class LLM:
         (cross-encoders): a long text_2 is read in windows overlapping by ``chunk_overlap``
         tokens, text_1 whole in each; its score is its best window's (``outputs.chunk_index``).
         Models with a vision tower (CLIP, SigLIP) also score images (``{"image": ...}``, on
-        either side) against texts or images: the cosine of their embeddings."""
+        either side) against texts or images: the cosine of their embeddings.
+        ``weights_for_different_modes`` ``[w_dense, w_sparse, w_colbert]`` (BGE-M3; its card
+        uses ``[0.4, 0.2, 0.4]``): each text's dense, sparse and ColBERT outputs come from one
+        pass and the score is FlagEmbedding's ``compute_score`` "colbert+sparse+dense", their
+        scores' weighted mean."""
         if rerank_chunking not in (None, "max"):
             raise InvalidInputError(
                 f"rerank_chunking must be 'max' or None, got {rerank_chunking!r}"
@@ -277,6 +314,7 @@ class LLM:
             self.input_processor, self._next_id(), pairs, params,
             max_tokens_per_doc=max_tokens_per_doc, instruction=instruction,
             chunk_overlap=chunk_overlap if rerank_chunking == "max" else None,
+            mode_weights=weights_for_different_modes,
         )  # fmt: skip
         return plan.scores(
             outputs_of(PoolingRequestOutput, self.client.run(plan.requests, use_tqdm))
@@ -285,7 +323,7 @@ class LLM:
     def _pool(
         self,
         kind: type[_Output],
-        task: PoolingTask,
+        task: PoolingTaskSelection,
         prompts: Prompts,
         pooling_params: PoolingParamsArg,
         *,
@@ -310,7 +348,9 @@ class LLM:
         copies: dict[int, PoolingParams] = {}
         for p in given:
             if id(p) not in copies:
-                bound = _checked(PoolingParams, p, task).with_task(task)
+                bound = _checked(
+                    PoolingParams, p, "encode" if isinstance(task, tuple) else task
+                ).with_task(task)
                 if prompt_name is not None or prompt is not None:  # the call's replaces the params'
                     bound = dataclasses.replace(bound, prompt_name=prompt_name, prompt=prompt)
                 copies[id(p)] = bound

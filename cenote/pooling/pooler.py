@@ -14,7 +14,13 @@ from torch import nn
 
 from cenote.pooling.activation import Activation, activate
 from cenote.pooling.heads import EmbeddingHead
-from cenote.pooling.interface import LAST_TOKEN, WHOLE_PROMPT, Pooler, PoolingRequirements
+from cenote.pooling.interface import (
+    LAST_TOKEN,
+    WHOLE_PROMPT,
+    Pooler,
+    PoolerResult,
+    PoolingRequirements,
+)
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.methods import (
     SEQUENCE_METHODS,
@@ -23,6 +29,7 @@ from cenote.pooling.methods import (
     pool_all,
     pool_step,
 )
+from cenote.pooling_params import PoolingParams
 from cenote.tasks import PoolingTask
 
 ScoreFn = Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] fp32 -> [N, num_labels] fp32
@@ -192,31 +199,49 @@ class DispatchPooler(nn.Module):
         pooler = self.poolers.get("classify") or self.poolers.get("token_classify")
         return pooler.num_labels if isinstance(pooler, ClassifierPooler) else None
 
-    def forward(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> list[torch.Tensor]:
-        groups: dict[int, list[int]] = {}  # id(pooler) -> request indices
+    def forward(self, hidden: torch.Tensor, metadata: PoolingMetadata) -> list[PoolerResult]:
+        """One result per request: its task's tensor, or for a multi-task request a task ->
+        tensor map, every task pooled from the same rows (the trunk ran once for them all)."""
+        # 0) the usual step: single-task requests that one pooler serves, handed over whole
+        asked = {params.task for params in metadata.pooling_params}
+        assert None not in asked, "the API that received the request sets its task"
+        single_tasks = [task for task in asked if isinstance(task, str)]
+        if len(single_tasks) == len(asked):
+            poolers = {id(self.poolers[task]): self.poolers[task] for task in single_tasks}
+            if len(poolers) == 1:
+                return list(next(iter(poolers.values()))(hidden, metadata))
+        # 1) one job per (request, task): the pooler of the task, the task's own params
+        jobs: dict[int, list[tuple[int, PoolingParams]]] = {}  # id(pooler) -> jobs
         by_id: dict[int, Pooler] = {}
         for i, params in enumerate(metadata.pooling_params):
-            assert params.task is not None, "the API that received the request sets its task"
-            pooler = self.poolers[params.task]
-            groups.setdefault(id(pooler), []).append(i)
-            by_id[id(pooler)] = pooler
-        if len(groups) == 1:
-            return next(iter(by_id.values()))(hidden, metadata)
-        outputs: list[torch.Tensor | None] = [None] * metadata.num_requests
+            for task in params.tasks:
+                pooler = self.poolers[task]
+                single = params.for_task(task) if params.is_multi_task else params
+                jobs.setdefault(id(pooler), []).append((i, single))
+                by_id[id(pooler)] = pooler
+        # 2) each pooler on its jobs' rows (a request's rows once per task it asks of it)
+        results: list[dict[str, torch.Tensor]] = [{} for _ in range(metadata.num_requests)]
         loc = metadata.start_loc
-        for key, indices in groups.items():
-            rows = torch.cat([hidden[loc[i] : loc[i + 1]] for i in indices])
+        for key, entries in jobs.items():
+            rows = torch.cat([hidden[loc[i] : loc[i + 1]] for i, _ in entries])
             start_loc = [0]
-            for i in indices:
+            for i, _ in entries:
                 start_loc.append(start_loc[-1] + loc[i + 1] - loc[i])
             sub = PoolingMetadata(
                 start_loc=start_loc,
-                pooling_params=[metadata.pooling_params[i] for i in indices],
-                prompt_token_ids=[metadata.prompt_token_ids[i] for i in indices],
+                pooling_params=[params for _, params in entries],
+                prompt_token_ids=[metadata.prompt_token_ids[i] for i, _ in entries],
             )
-            for i, result in zip(indices, by_id[key](rows, sub), strict=True):
-                outputs[i] = result
-        return _served(metadata, outputs)
+            for (i, params), result in zip(entries, by_id[key](rows, sub), strict=True):
+                assert isinstance(params.task, str)
+                results[i][params.task] = result
+        # 3) a multi-task request's map in the order it asked; a single task's one tensor
+        return [
+            {task: found[task] for task in params.tasks}
+            if params.is_multi_task
+            else found[str(params.task)]
+            for found, params in zip(results, metadata.pooling_params, strict=True)
+        ]
 
 
 def _served(metadata: PoolingMetadata, outputs: list[torch.Tensor | None]) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from cenote.messages import LogprobsLists
 from cenote.models.interfaces import CausalLM, DecoderModel, ImageTextModel, Model
 from cenote.models.layers.lora import lora_context
 from cenote.models.layers.triton_attention import triton_paged_decode
+from cenote.pooling.interface import PoolerResult
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.pooler import DispatchPooler
 from cenote.runner.batch import build_input_batch
@@ -163,7 +164,7 @@ class ModelRunner:
 
     # ---- pooling branch ---------------------------------------------------------------------
 
-    def _pool(self, step: _Step) -> dict[str, torch.Tensor]:
+    def _pool(self, step: _Step) -> dict[str, PoolerResult]:
         rows, params, prompts, start_loc, ids = [], [], [], [0], []
         whole_batch = True  # every row of the step is a whole pooled prompt, in order
         for i, s in enumerate(step.scheduled):
@@ -323,12 +324,17 @@ class ModelRunner:
             start += num_rows
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A step's pooled outputs copied to the host: one copy (one sync) when they share a shape
-    (embeddings, scores), else one each (per-token outputs)."""
-    if tensors and all(t.shape == tensors[0].shape for t in tensors):
-        return list(torch.stack(tensors).cpu().unbind(0))
-    return [t.cpu() for t in tensors]
+def _to_host(results: list[PoolerResult]) -> list[PoolerResult]:
+    """A step's pooled outputs copied to the host: one copy (one sync) when they are tensors of
+    one shape (embeddings, scores), else one each (per-token outputs, multi-task maps)."""
+    tensors = [r for r in results if isinstance(r, torch.Tensor)]
+    if tensors and len(tensors) == len(results):
+        if all(t.shape == tensors[0].shape for t in tensors):
+            return list(torch.stack(tensors).cpu().unbind(0))
+    return [
+        {task: t.cpu() for task, t in r.items()} if isinstance(r, dict) else r.cpu()
+        for r in results
+    ]
 
 
 def _slice_logprobs(tensors: LogprobsTensors, start: int, end: int, k: int) -> LogprobsLists:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from cenote.messages import LogprobsLists
+from cenote.pooling.interface import PoolerResult
 
 
 @dataclass
@@ -16,6 +15,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(
         default_factory=dict
     )  # this step's prompt rows
-    pooler_output: dict[str, torch.Tensor] = field(
-        default_factory=dict
-    )  # finished pooling requests
+    # finished pooling requests: a tensor, or a task -> tensor map (a multi-task request)
+    pooler_output: dict[str, PoolerResult] = field(default_factory=dict)

@@ -122,8 +122,9 @@ class Scheduler:
         if request.sampling_params is not None:
             return request.sampling_params.prompt_logprobs is None
         assert request.pooling_params is not None
-        task = request.pooling_params.task
-        return task is not None and task in self.prefix_cacheable_tasks
+        # a multi-task request reads every row if one of its tasks does
+        tasks = request.pooling_params.tasks
+        return bool(tasks) and all(task in self.prefix_cacheable_tasks for task in tasks)
 
     def schedule(self) -> SchedulerOutput:
         """Pick the requests of the next step.
@@ -355,10 +356,12 @@ class Scheduler:
                 if s.completes_prompt:
                     self._finish_running(request, RequestStatus.FINISHED_POOLED)
                     queue_seconds, inference_seconds = _durations(request)
+                    pooled = runner_output.pooler_output[request.request_id]
                     outputs.append(
                         EngineCoreOutput(
                             request_id=request.request_id,
-                            pooling_output=runner_output.pooler_output[request.request_id],
+                            pooling_output=None if isinstance(pooled, dict) else pooled,
+                            pooling_outputs=pooled if isinstance(pooled, dict) else None,
                             finish_reason="stop",
                             num_cached_tokens=request.num_cached_tokens,
                             queue_seconds=queue_seconds,

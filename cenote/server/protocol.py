@@ -12,7 +12,7 @@ from cenote.inputs import ChatPrompt, ImagePrompt, PromptType, TokensPrompt
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 from cenote.structured.params import StructuredOutputsParams
-from cenote.tasks import PoolingTask
+from cenote.tasks import PoolingTask, PoolingTaskSelection
 
 StrictInt = Annotated[int, Strict()]  # a JSON integer: true / 1.5 / "1" are refused
 # integers with the bounds the engine enforces, stated in the OpenAPI schema
@@ -20,6 +20,8 @@ Int64 = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]  # 0 or more
 PositiveCount = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
 TruncateTokens = Annotated[int, Strict(), Field(ge=-1, le=INT64_MAX)]  # -1: the model's limit
+# BGE-M3's [w_dense, w_sparse, w_colbert] (FlagEmbedding's weights_for_different_modes)
+ModeWeights = Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=3, max_length=3)]
 TokenIds = list[StrictInt]
 PromptInput = str | list[str] | TokenIds | list[TokenIds]
 EmbedDType = Literal["float32", "float16", "bfloat16"]
@@ -220,7 +222,7 @@ class _PoolingBody(_ChatInput):
 
     def to_pooling_params(
         self,
-        task: PoolingTask,
+        task: PoolingTaskSelection,
         auto_truncate: bool = False,
         long_input: Literal["error", "chunk"] = "error",
         chunk_overlap: int = 0,
@@ -233,7 +235,8 @@ class _PoolingBody(_ChatInput):
         if truncate is None and auto_truncate and chunk != "chunk":
             truncate = -1
         normalize = self.normalize
-        if normalize is None and task in ("embed", "token_embed"):
+        tasks = task if isinstance(task, tuple) else (task,)
+        if normalize is None and {"embed", "token_embed"} & set(tasks):
             normalize = self.use_activation  # vLLM's newer name for embedding normalization
         return PoolingParams(
             task=task,
@@ -262,7 +265,16 @@ class EmbeddingRequest(_PoolingBody):
 class PoolingRequest(_PoolingBody):
     """POST /pooling: the raw pooler output of ``task``."""
 
-    task: PoolingTask | None = None  # None: embed when supported, else the model's first task
+    # None: embed when supported, else the model's first task. cenote extension: a list of
+    # tasks (BGE-M3's ["embed", "embed_sparse", "token_embed"]) read from one trunk pass,
+    # each input's ``data`` then a map of task -> output
+    task: PoolingTask | list[PoolingTask] | None = None
+
+    def task_selection(self, default: PoolingTask) -> PoolingTaskSelection:
+        """The task, or the tasks as a tuple; ``default`` when the body names none."""
+        if isinstance(self.task, list):
+            return tuple(self.task)
+        return self.task or default
 
 
 class ClassificationRequest(_PoolingBody):
@@ -279,6 +291,9 @@ class _ScoringBody(_Body):
     user: str | None = None
     priority: Int64 = 0
     request_id: str | None = None
+    # cenote extension (BGE-M3): [w_dense, w_sparse, w_colbert] — each text's three outputs
+    # from one pass, scored as FlagEmbedding's compute_score "colbert+sparse+dense"
+    weights_for_different_modes: ModeWeights | None = None
 
     def window_overlap(self) -> int | None:
         """Chunk-and-max reranking's window overlap; None: documents are not chunked."""

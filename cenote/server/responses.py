@@ -119,7 +119,9 @@ class EmbeddingResponse(BaseModel):
 class PoolingData(BaseModel):
     object: Literal["pooling"]
     index: int
-    data: list[Any] | str  # the pooler's output (nested for per-token tasks), or base64
+    # the pooler's output (nested for per-token tasks), or base64; a request for several tasks
+    # (cenote extension): task -> that output
+    data: list[Any] | str | dict[str, list[Any] | str]
 
 
 class PoolingResponse(BaseModel):

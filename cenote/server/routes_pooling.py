@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from cenote.engine.input_processor import ParentRequest
 from cenote.inputs import PromptType
-from cenote.outputs import PoolingRequestOutput
+from cenote.outputs import MultiTaskOutput, PoolingOutput, PoolingRequestOutput
 from cenote.pooling.quantize import Precision, quantize_embeddings
 from cenote.pooling_params import PoolingParams
 from cenote.server import timing
@@ -25,7 +25,7 @@ from cenote.server.errors import BadRequest
 from cenote.server.protocol import EmbeddingRequest, PoolingRequest, _PoolingBody
 from cenote.server.responses import EmbeddingResponse, PoolingResponse, schema
 from cenote.server.state import ServerState, get_state, new_request_id, with_cancellation
-from cenote.tasks import POOLING_TASKS, PoolingTask
+from cenote.tasks import POOLING_TASKS, PoolingTask, PoolingTaskSelection
 
 router = APIRouter(route_class=JSONRoute)
 
@@ -124,8 +124,17 @@ async def create_pooling(body: PoolingRequest, raw_request: Request) -> Response
             "answers float, base64 or bytes",
             param="encoding_format",
         )
-    state = await get_state(raw_request, body.model, body.task)
-    task = body.task or _default_pooling_task(state)
+    first_task = body.task
+    if isinstance(first_task, list):  # several tasks: the model serving the first is asked
+        first_task = first_task[0] if first_task else None
+    state = await get_state(raw_request, body.model, first_task)
+    task = body.task_selection(_default_pooling_task(state))
+    if isinstance(task, tuple) and body.encoding_format == "bytes":
+        raise BadRequest(
+            f"encoding_format 'bytes' answers one tensor per input; a request for several "
+            f"tasks {list(task)} answers float or base64",
+            param="encoding_format",
+        )
     outputs, request_id = await pool(state, body, task, "pool")
     return await respond(state, request_id, outputs, body, "pooling")
 
@@ -146,14 +155,27 @@ async def respond(
             return bytes_response(state, request_id, outputs, body)
         key = "embedding" if object_name == "embedding" else "data"
         data = [
-            {"object": object_name, "index": i, key: _encode(out.outputs.data, body)}
+            {"object": object_name, "index": i, key: _encode_output(out.outputs, body)}
             for i, out in enumerate(outputs)
         ]
         return list_response(state, request_id, data, outputs, body.model)
 
-    if sum(out.outputs.data.numel() for out in outputs) <= _INLINE_RESPONSE_VALUES:
+    if sum(_num_values(out.outputs) for out in outputs) <= _INLINE_RESPONSE_VALUES:
         return build()
     return await state.offload(build)
+
+
+def _encode_output(output: PoolingOutput | MultiTaskOutput, body: _PoolingBody) -> Any:
+    """One input's ``data``: its tensor encoded, or for several tasks a task -> encoded map."""
+    if isinstance(output, MultiTaskOutput):
+        return {task: _encode(result.data, body) for task, result in output.by_task.items()}
+    return _encode(output.data, body)
+
+
+def _num_values(output: PoolingOutput | MultiTaskOutput) -> int:
+    if isinstance(output, MultiTaskOutput):
+        return sum(result.data.numel() for result in output.by_task.values())
+    return output.data.numel()
 
 
 def _default_pooling_task(state: ServerState) -> PoolingTask:
@@ -164,7 +186,7 @@ def _default_pooling_task(state: ServerState) -> PoolingTask:
 async def pool(
     state: ServerState,
     body: _PoolingBody,
-    task: PoolingTask,
+    task: PoolingTaskSelection,
     prefix: str,
     prompts: list[PromptType] | None = None,
 ) -> tuple[list[PoolingRequestOutput[Any]], str]:
@@ -182,7 +204,7 @@ async def pool(
 def _prepare(
     state: ServerState,
     body: _PoolingBody,
-    task: PoolingTask,
+    task: PoolingTaskSelection,
     prefix: str,
     prompts: list[PromptType] | None,
 ) -> tuple[list[ParentRequest], str]:
@@ -208,17 +230,18 @@ def _prepare(
     )  # fmt: skip
     num_tokens = sum(len(r.prompt_token_ids) for r in requests)
     state.check_request_tokens(num_tokens)
-    if task in ("token_embed", "token_classify"):
-        width = _output_width(state, params)
-        state.check_response_values(num_tokens * width, f"{num_tokens} tokens x {width}")
-    if task == "embed_sparse":  # up to one weight per vocabulary entry and input
-        vocab = state.model_config.vocab_size
-        state.check_response_values(len(requests) * vocab, f"{len(requests)} inputs x {vocab}")
+    for one in params.tasks:  # a multi-task request: each task's output is bounded alike
+        if one in ("token_embed", "token_classify"):
+            width = _output_width(state, params.for_task(one))
+            state.check_response_values(num_tokens * width, f"{num_tokens} tokens x {width}")
+        if one == "embed_sparse":  # up to one weight per vocabulary entry and input
+            vocab = state.model_config.vocab_size
+            state.check_response_values(len(requests) * vocab, f"{len(requests)} inputs x {vocab}")
     return requests, request_id
 
 
 def _output_width(state: ServerState, params: PoolingParams) -> int:
-    """Numbers per token of a token-level output."""
+    """Numbers per token of a token-level output (``params``: one task's)."""
     capabilities = state.client.capabilities
     assert capabilities is not None, "the core reports its capabilities before serving"
     if params.task == "token_embed":

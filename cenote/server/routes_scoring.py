@@ -240,6 +240,7 @@ def _prepare(
         max_tokens_per_doc=body.max_tokens_per_doc, instruction=body.instruction,
         fit_documents=fit_documents, priority=body.priority,
         chunk_overlap=body.window_overlap(),
+        mode_weights=body.weights_for_different_modes,
     )  # fmt: skip
     assign_adapter(plan.requests, adapter)
     state.check_capacity(len(plan.requests))
