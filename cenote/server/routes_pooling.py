@@ -197,7 +197,9 @@ async def pool(
     with timing.tokenization():
         requests, request_id = await state.offload(_prepare, state, body, task, prefix, prompts)
     timing.record_request_id(request_id)
-    outputs = await state.run_pooling(requests, task)
+    # a multi-task request (BGE-M3's three outputs) is labelled by its tasks joined: embed+...
+    label = task if isinstance(task, str) else "+".join(task)
+    outputs = await state.run_pooling(requests, label)
     return outputs, request_id
 
 
