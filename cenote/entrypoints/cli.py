@@ -122,6 +122,8 @@ def serve(args: argparse.Namespace) -> int:
         max_connections=options.max_connections,
         max_connections_per_client=options.max_connections_per_client,
     ))  # fmt: skip
+    if options.batch_dir is not None:  # batch lines (BATCH_PRIORITY) go after interactive ones
+        args.scheduling_policy = "priority"
     served = _served_models(model_specs(args), options, EngineArgs.from_cli_args(args))
     config = uvicorn.Config(
         build_app(served), host=options.host, port=options.port, log_level=options.log_level,
