@@ -124,6 +124,7 @@ def serve(args: argparse.Namespace) -> int:
     ))  # fmt: skip
     if options.batch_dir is not None:  # batch lines (BATCH_PRIORITY) go after interactive ones
         args.scheduling_policy = "priority"
+        logger.info("Batch API on (%s): engines schedule by priority", options.batch_dir)
     served = _served_models(model_specs(args), options, EngineArgs.from_cli_args(args))
     config = uvicorn.Config(
         build_app(served), host=options.host, port=options.port, log_level=options.log_level,

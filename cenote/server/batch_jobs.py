@@ -227,8 +227,14 @@ class BatchJobs:
             )
             return error_line(None, error)
         try:
+            record = _record(raw)
+            if isinstance(record, dict) and record.get("url", batch.endpoint) != batch.endpoint:
+                raise LineError(
+                    f"line {raw.number}: url {record['url']!r:.100} is not the batch's endpoint "
+                    f"{batch.endpoint!r}; every line of a batch goes to its endpoint"
+                )
             line = parse_line(raw.number, raw.data)
-            body = _routed_body(raw, line.url, batch.endpoint)
+            body = _routed_body(raw)
         except Exception as e:
             return error_line(custom_id_of(raw.data), error_of(raw.number, e))
         status, content_type, payload = await self._send(line.url, body)
@@ -300,13 +306,16 @@ class BatchJobs:
         return status, content_type, b"".join(parts)
 
 
-def _routed_body(raw: RawLine, url: str, endpoint: str) -> bytes:
+def _record(raw: RawLine) -> Any:
+    """The line as JSON; None when it is not (``parse_line`` then says why)."""
+    try:
+        return msgspec.json.decode(raw.data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _routed_body(raw: RawLine) -> bytes:
     """The line's body as its route gets it: at ``BATCH_PRIORITY``, never streamed."""
-    if url != endpoint:
-        raise LineError(
-            f"line {raw.number}: url {url!r} is not the batch's endpoint {endpoint!r}; every "
-            "line of a batch goes to its endpoint"
-        )
     body = msgspec.json.decode(raw.data)["body"]  # an object: parse_line checked it
     if body.get("stream"):
         raise LineError(f"line {raw.number}: stream is not available in a batch")

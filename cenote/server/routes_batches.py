@@ -11,16 +11,17 @@ its own line of the error file while the others run.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
+from pydantic import BaseModel
 
 from cenote.batch.lines import BODY_MODELS
-from cenote.batch.store import StoredFile
+from cenote.batch.store import BatchStatus, StoredFile
 from cenote.server.batch_jobs import BatchJobs
 from cenote.server.body import JSONRoute
-from cenote.server.errors import BadRequest, Conflict, ModelNotFound
+from cenote.server.errors import BadRequest, Conflict, ModelNotFound, error_responses
 from cenote.server.protocol import _Body
 from cenote.server.responses import schema
 from cenote.server.uploads import boundary_of, read_upload
@@ -37,6 +38,82 @@ class CreateBatchRequest(_Body):
     endpoint: str  # the url of every line: /v1/embeddings, /v1/chat/completions, ...
     completion_window: str  # "24h"
     metadata: dict[str, str] | None = None  # up to 16 pairs, echoed on the batch
+
+
+# ---- the answers, as OpenAI documents them (the OpenAPI document's schemas) --------------------
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int  # unix seconds
+    expires_at: int | None
+    filename: str
+    purpose: str  # "batch" (uploaded) or "batch_output" (a batch's output or error file)
+    status: Literal["processed"]
+    status_details: str | None
+
+
+class FileList(BaseModel):
+    object: Literal["list"]
+    data: list[FileObject]
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class BatchError(BaseModel):
+    code: str  # duplicate_custom_id, missing_file, internal_error
+    message: str
+    param: str | None
+    line: int | None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"]
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int  # lines of the input file
+    completed: int  # lines answered 200
+    failed: int  # lines with an error
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    errors: BatchErrors | None  # why a failed batch failed
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None  # the successful lines, in input order
+    error_file_id: str | None  # the failed lines, in input order
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"]
+    data: list[BatchObject]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
 
 
 def _jobs(raw_request: Request) -> BatchJobs:
@@ -59,7 +136,17 @@ async def _file(jobs: BatchJobs, file_id: str) -> StoredFile:
 # ---- files ------------------------------------------------------------------------------------
 
 
-@router.post("/v1/files", responses=schema(None, 400, 401, 404, 413))
+_UPLOAD_FORM = {"type": "object", "required": ["file", "purpose"], "properties": {
+    "file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]},
+}}  # fmt: skip
+
+
+@router.post(
+    "/v1/files",
+    responses=schema(FileObject, 400, 401, 404, 413, 503),
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "multipart/form-data": {"schema": _UPLOAD_FORM}}}},
+)  # fmt: skip
 async def create_file(raw_request: Request) -> JSONResponse:
     """A multipart form of ``purpose`` ("batch") and ``file`` (JSONL, one request a line)."""
     jobs = _jobs(raw_request)
@@ -90,7 +177,7 @@ async def create_file(raw_request: Request) -> JSONResponse:
     return JSONResponse(stored.to_openai())
 
 
-@router.get("/v1/files", responses=schema(None, 401, 404))
+@router.get("/v1/files", responses=schema(FileList, 401, 404))
 async def list_files(raw_request: Request) -> JSONResponse:
     jobs = _jobs(raw_request)
     files = await jobs.db(jobs.store.list_files)
@@ -99,7 +186,7 @@ async def list_files(raw_request: Request) -> JSONResponse:
     )
 
 
-@router.get("/v1/files/{file_id}", responses=schema(None, 401, 404))
+@router.get("/v1/files/{file_id}", responses=schema(FileObject, 401, 404))
 async def retrieve_file(file_id: str, raw_request: Request) -> JSONResponse:
     jobs = _jobs(raw_request)
     return JSONResponse((await _file(jobs, file_id)).to_openai())
@@ -109,7 +196,7 @@ async def retrieve_file(file_id: str, raw_request: Request) -> JSONResponse:
     "/v1/files/{file_id}/content",
     response_class=FileResponse,
     responses={200: {"content": {"application/octet-stream": {}}, "description": "The file"},
-               **schema(None, 401, 404)},
+               **error_responses(401, 404)},
 )  # fmt: skip
 async def file_content(file_id: str, raw_request: Request) -> FileResponse:
     jobs = _jobs(raw_request)
@@ -120,7 +207,7 @@ async def file_content(file_id: str, raw_request: Request) -> FileResponse:
     )  # fmt: skip
 
 
-@router.delete("/v1/files/{file_id}", responses=schema(None, 401, 404, 409))
+@router.delete("/v1/files/{file_id}", responses=schema(FileDeleted, 401, 404, 409))
 async def delete_file(file_id: str, raw_request: Request) -> JSONResponse:
     jobs = _jobs(raw_request)
     await _file(jobs, file_id)
@@ -138,7 +225,7 @@ async def delete_file(file_id: str, raw_request: Request) -> JSONResponse:
 # ---- batches ----------------------------------------------------------------------------------
 
 
-@router.post("/v1/batches", responses=schema(None, 400, 401, 404))
+@router.post("/v1/batches", responses=schema(BatchObject, 400, 401, 404, 413, 503))
 async def create_batch(body: CreateBatchRequest, raw_request: Request) -> JSONResponse:
     jobs = _jobs(raw_request)
     if body.endpoint not in BODY_MODELS:
@@ -165,7 +252,7 @@ async def create_batch(body: CreateBatchRequest, raw_request: Request) -> JSONRe
     return JSONResponse(await jobs.db(jobs.store.to_openai, batch_id))
 
 
-@router.get("/v1/batches", responses=schema(None, 400, 401, 404))
+@router.get("/v1/batches", responses=schema(BatchList, 400, 401, 404))
 async def list_batches(
     raw_request: Request,
     after: str | None = None,
@@ -180,13 +267,15 @@ async def list_batches(
     })  # fmt: skip
 
 
-@router.get("/v1/batches/{batch_id}", responses=schema(None, 401, 404))
+@router.get("/v1/batches/{batch_id}", responses=schema(BatchObject, 401, 404))
 async def retrieve_batch(batch_id: str, raw_request: Request) -> JSONResponse:
     jobs = _jobs(raw_request)
     return JSONResponse(await _batch(jobs, batch_id))
 
 
-@router.post("/v1/batches/{batch_id}/cancel", responses=schema(None, 401, 404, 409))
+@router.post(
+    "/v1/batches/{batch_id}/cancel", responses=schema(BatchObject, 400, 401, 404, 409, 413, 503)
+)
 async def cancel_batch(batch_id: str, raw_request: Request) -> JSONResponse:
     """A validating or running batch becomes cancelling, then cancelled with the lines that
     finished in its output file."""
