@@ -296,3 +296,63 @@ def test_multipart_upload_is_read_whatever_the_chunk_sizes(tmp_path):
             yield body[:-12]
 
         asyncio.run(read_upload(cut(), b"XyZ", tmp_path / "cut", 1 << 20, 10))
+
+
+# ---- the job runner in-process, over a stand-in app --------------------------------------------
+
+
+def _stand_in_app(answers: list[int]):
+    """An ASGI app answering each POST with the next status of ``answers`` (then 200), echoing
+    the body it got."""
+
+    async def app(scope, receive, send):
+        body = (await receive())["body"]
+        status = answers.pop(0) if answers else 200
+        payload = body if status == 200 else b'{"error": {"message": "busy", "type": "rate"}}'
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": payload})
+
+    return app
+
+
+def _run_jobs(tmp_path: Path, answers: list[int], expired: bool) -> tuple[dict, list[dict]]:
+    from cenote.batch.store import BatchStore
+    from cenote.server.batch_jobs import BatchJobs
+
+    store = BatchStore(tmp_path)
+    upload = store.new_upload_path()
+    upload.write_text("\n".join(_line(f"r{i}", {"input": f"text {i}"}) for i in range(3)) + "\n")
+    stored = store.add_file(upload, "batch", "in.jsonl", upload.stat().st_size, 3)
+    batch_id = store.add_batch("/v1/embeddings", stored, None)
+    if expired:
+        with store.db:
+            store.db.execute("UPDATE batches SET expires_at = 0 WHERE id = ?", (batch_id,))
+
+    async def run() -> None:
+        jobs = BatchJobs(store, _stand_in_app(answers), 1, 1 << 20, api_key=None)
+        jobs.start()
+        while (await jobs.db(store.get_batch, batch_id)).status not in ("completed", "expired"):
+            await asyncio.sleep(0.01)
+        await jobs.stop()
+
+    asyncio.run(run())
+    store = BatchStore(tmp_path)
+    batch = store.to_openai(batch_id)
+    file_id = batch["output_file_id"]
+    lines = [] if file_id is None else store.file_path(file_id).read_text().splitlines()
+    return batch, [json.loads(line) for line in lines]
+
+
+def test_a_line_answered_429_or_503_is_sent_again(tmp_path):
+    batch, outputs = _run_jobs(tmp_path, [429, 503], expired=False)
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 3
+    bodies = [o["response"]["body"] for o in outputs]
+    assert [b["input"] for b in bodies] == ["text 0", "text 1", "text 2"]
+    assert {b["priority"] for b in bodies} == {BATCH_PRIORITY}  # the routes get batch priority
+
+
+def test_a_batch_past_its_window_expires_without_running(tmp_path):
+    batch, outputs = _run_jobs(tmp_path, [], expired=True)
+    assert batch["status"] == "expired" and batch["expired_at"] is not None
+    assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 0} and not outputs
