@@ -28,6 +28,7 @@ from tests.server_fixture import ServerProcess, wait_until
 
 MAX_FILE_BYTES = 1 << 20
 MAX_LINES = 300
+API_KEY = "batch-key"
 ATOL = 1e-5  # batch invariance, fp32 (DESIGN.md)
 
 
@@ -43,6 +44,7 @@ class BatchServer:
             "--dtype", "float32", "--num-threads", str(NUM_THREADS), "--batch-dir",
             str(self.batch_dir), "--max-batch-file-bytes", str(MAX_FILE_BYTES),
             "--max-batch-lines", str(MAX_LINES), "--batch-concurrency", "2",
+            api_key=API_KEY,  # the lines' in-process calls carry it too
         )  # fmt: skip
 
     def restart(self) -> None:
@@ -50,7 +52,7 @@ class BatchServer:
 
     @property
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.server.url}/v1", api_key="unused", max_retries=0)
+        return openai.OpenAI(base_url=f"{self.server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +89,9 @@ def _jsonl(client: openai.OpenAI, file_id: str) -> list[dict]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
-def _embedding(url: str, body: dict) -> list[list[float]]:
-    answer = httpx.post(f"{url}/v1/embeddings", json=body, timeout=30)
+def _embedding(url: str, body: dict, api_key: str | None = API_KEY) -> list[list[float]]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    answer = httpx.post(f"{url}/v1/embeddings", json=body, headers=headers, timeout=30)
     assert answer.status_code == 200, answer.text
     return [row["embedding"] for row in answer.json()["data"]]
 
@@ -222,7 +225,9 @@ def test_cancel_keeps_the_finished_lines(batch_server):
 
 
 def test_the_routes_are_documented_where_the_api_is_on(batch_server):
-    spec = httpx.get(f"{batch_server.server.url}/openapi.json").json()
+    spec = httpx.get(
+        f"{batch_server.server.url}/openapi.json", headers=batch_server.server.headers
+    ).json()
     routes = [(path, method, operation) for path, operations in spec["paths"].items()
               for method, operation in operations.items() if path.startswith(("/v1/files", "/v1/batches"))]  # fmt: skip
     assert len(routes) == 9
