@@ -361,3 +361,15 @@ def test_a_batch_past_its_window_expires_without_running(tmp_path):
     batch, outputs = _run_jobs(tmp_path, [], expired=True)
     assert batch["status"] == "expired" and batch["expired_at"] is not None
     assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 0} and not outputs
+
+
+def test_one_server_per_batch_dir(tmp_path):
+    from cenote.batch.store import BatchStore
+
+    store = BatchStore(tmp_path)
+    (store.files_dir / ".upload-cut-short").write_bytes(b"half a file")
+    with pytest.raises(ValueError, match="in use by another cenote server"):
+        BatchStore(tmp_path)
+    store.close()
+    BatchStore(tmp_path).close()  # free again; the leftover upload is gone
+    assert not list(store.files_dir.iterdir())

@@ -12,6 +12,7 @@ page cache); only a power loss may drop the last commits.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
@@ -85,6 +86,18 @@ class BatchStore:
         self.directory = directory
         self.files_dir = directory / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
+        # one server per folder: two would run the same batches
+        self._lock = open(directory / "lock", "w")  # held until close()
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ValueError(
+                f"--batch-dir {directory} is in use by another cenote server (it holds "
+                f"{directory / 'lock'}); give each server its own folder"
+            ) from None
+        for leftover in self.files_dir.glob(".*"):  # uploads and outputs a crash cut short
+            leftover.unlink()
         self.db = sqlite3.connect(directory / "batches.sqlite3", check_same_thread=False)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -93,6 +106,7 @@ class BatchStore:
 
     def close(self) -> None:
         self.db.close()
+        self._lock.close()  # releases the folder
 
     # ---- files --------------------------------------------------------------------------------
 
@@ -100,8 +114,8 @@ class BatchStore:
         return self.files_dir / f"{file_id}.jsonl"
 
     def new_upload_path(self) -> Path:
-        """Where an upload is written before ``add_file`` takes it (a crash leaves it behind;
-        ``__init__`` of a later server does not read it)."""
+        """Where an upload is written before ``add_file`` takes it (one a crash leaves behind
+        is removed by the next start)."""
         return self.files_dir / f".upload-{uuid.uuid4().hex}"
 
     def add_file(

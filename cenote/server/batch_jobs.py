@@ -138,7 +138,7 @@ class BatchJobs:
             await self.db(self.store.finalize, batch.id, "cancelled")
             return
         if batch.status == "validating":
-            problem = await self.db(self._validate, batch)
+            problem = await asyncio.to_thread(self._validate, batch)  # reads the whole file
             if problem is not None:
                 await self.db(self.store.fail, batch.id, [problem])
                 logger.info("batch %s failed: %s", batch.id, problem["message"])
