@@ -156,6 +156,25 @@ def test_batch_results_equal_the_route_and_bad_lines_fail_alone(batch_server):
         client.batches.cancel(batch.id)
 
 
+def test_score_lines_equal_the_score_route(batch_server):
+    """Another endpoint: bi-encoder scores (cosine of MiniLM embeddings) through /v1/score."""
+    client, url = batch_server.client, batch_server.server.url
+    bodies = [{"text_1": "a cat", "text_2": ["a kitten", "a truck"]},
+              {"text_1": ["rivers", "lakes"], "text_2": ["streams", "ponds"]}]  # fmt: skip
+    lines = [_line(f"s{i}", body, url="/v1/score") for i, body in enumerate(bodies)]
+    batch = client.batches.create(input_file_id=_upload(client, lines).id,
+                                  endpoint="/v1/score", completion_window="24h")  # fmt: skip
+    batch = _wait(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    for output, body in zip(_jsonl(client, batch.output_file_id), bodies, strict=True):
+        direct = httpx.post(f"{url}/v1/score", json=body, headers=batch_server.server.headers)
+        want = [row["score"] for row in direct.json()["data"]]
+        got = [row["score"] for row in output["response"]["body"]["data"]]
+        assert len(got) == len(want) and all(
+            abs(g - w) <= ATOL for g, w in zip(got, want, strict=True)
+        )
+
+
 def test_bad_input_is_refused_with_its_status(batch_server):
     client = batch_server.client
     good = _upload(client, [_line("a", {"input": "x"})])
