@@ -331,3 +331,26 @@ def test_preemption_takes_the_newest_request_and_requeues_it_first() -> None:
     assert set(finished) == {"old", "new"}
     assert new.num_preemptions == 1
     assert new.output_token_ids == [_fake_token("new", i) for i in range(4)]
+
+
+def test_priority_policy_runs_interactive_requests_before_queued_batch_lines() -> None:
+    """``cenote serve --batch-dir`` schedules by priority: batch lines (BATCH_PRIORITY) queued
+    first still wait for an interactive request (priority 0) that arrives after them."""
+    from cenote.server.batch_jobs import BATCH_PRIORITY
+
+    config = SchedulerConfig(
+        max_num_batched_tokens=10, max_num_seqs=256, enable_chunked_prefill=False,
+        policy="priority",
+    )  # fmt: skip
+    scheduler = Scheduler(config, CacheConfig(), kv_cache_manager=None)
+    for i in range(3):
+        line = _pooling(f"batch-{i}", 6)
+        line.priority = BATCH_PRIORITY
+        scheduler.add_request(line)
+    scheduler.add_request(_pooling("chat", 6))
+    order = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        order.append([s.request_id for s in out.scheduled])
+        scheduler.update_from_output(out, _fake_runner(scheduler, out))
+    assert order == [["chat"], ["batch-0"], ["batch-1"], ["batch-2"]]

@@ -117,7 +117,8 @@ def error_of(line_number: int, error: Exception) -> LineError:
     )
 
 
-def success_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
+def success_line(custom_id: str, body: dict[str, Any] | msgspec.Raw) -> dict[str, Any]:
+    """``body``: the answer, or its JSON encoded already (``msgspec.Raw``)."""
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": custom_id,

@@ -5,7 +5,7 @@ and the file-level check OpenAI makes at upload: every custom_id appears once.""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +33,7 @@ class RawLine:
         return not self.data  # a line read is never b"": an empty one is b"\n"
 
 
-def read_lines(path: Path, max_line_bytes: int) -> Iterator[RawLine]:
+def read_lines(path: Path, max_line_bytes: int) -> Generator[RawLine, None, None]:
     """Every line of ``path`` in order; one of more than ``max_line_bytes`` bytes (its newline
     not counted) is read past in pieces and comes back ``too_long``."""
     with open(path, "rb") as f:

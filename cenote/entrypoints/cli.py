@@ -127,6 +127,9 @@ def serve(args: argparse.Namespace) -> int:
         from cenote.server.tracing import RequestTracer
 
         tracer = RequestTracer.to_endpoint(options.otlp_traces_endpoint)
+    if options.batch_dir is not None:  # batch lines (BATCH_PRIORITY) go after interactive ones
+        args.scheduling_policy = "priority"
+        logger.info("Batch API on (%s): engines schedule by priority", options.batch_dir)
     served = _served_models(model_specs(args), options, EngineArgs.from_cli_args(args))
     config = uvicorn.Config(
         build_app(served, tracer), host=options.host, port=options.port, log_level=options.log_level,

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -18,8 +19,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cenote
+from cenote.batch.store import BatchStore
 from cenote.engine.heap import freeze_startup_objects
 from cenote.server import (
+    routes_batches,
     routes_cohere,
     routes_generate,
     routes_lora,
@@ -30,6 +33,7 @@ from cenote.server import (
     routes_tei,
     timing,
 )
+from cenote.server.batch_jobs import BatchJobs
 from cenote.server.body import JSONRoute, answer_tei
 from cenote.server.errors import (
     APIError,
@@ -66,7 +70,7 @@ from cenote.server.responses import (
     shared_schema,
 )
 from cenote.server.served_models import ServedModels
-from cenote.server.state import ServerState, get_served, get_state
+from cenote.server.state import ServerOptions, ServerState, get_served, get_state
 from cenote.server.tei_protocol import TEITokenizeRequest
 from cenote.server.timing import RequestTimings
 from cenote.server.tracing import RequestTracer
@@ -83,17 +87,21 @@ def build_app(served: ServedModels, tracer: RequestTracer | None = None) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        start = asyncio.create_task(_start_engines(served))
+        jobs = app.state.batch_jobs = _batch_jobs(app, served.options)
+        start = asyncio.create_task(_start_engines(served, jobs))
         try:
             yield
         finally:
             start.cancel()
+            if jobs is not None:  # lines in flight stop here and run again after a restart
+                await jobs.stop()
             await served.shutdown()
             if tracer is not None:
                 tracer.shutdown()  # the spans still batched are sent
 
     app = FastAPI(title="cenote", version=cenote.__version__, lifespan=lifespan)
     app.state.cenote = served
+    app.state.batch_jobs = None  # set by the lifespan when --batch-dir is given
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(router)
@@ -104,16 +112,29 @@ def build_app(served: ServedModels, tracer: RequestTracer | None = None) -> Fast
     app.include_router(routes_cohere.router)  # Cohere /v2/embed
     app.include_router(routes_tei.router)  # text-embeddings-inference's own routes
     app.include_router(routes_generate.router)
+    # always mounted (without --batch-dir each route is a 404 saying so); documented when on
+    app.include_router(
+        routes_batches.router, include_in_schema=served.options.batch_dir is not None
+    )
     if served.options.enable_lora_runtime_updating:  # else 404, as vLLM without the flag
         app.include_router(routes_lora.router)
     app.add_middleware(FrontDoor, served=served, tracer=tracer)
     return app
 
 
-async def _start_engines(served: ServedModels) -> None:
+def _batch_jobs(app: FastAPI, options: ServerOptions) -> BatchJobs | None:
+    if options.batch_dir is None:
+        return None
+    store = BatchStore(Path(options.batch_dir))
+    return BatchJobs(store, app, options.batch_concurrency, options.max_body_bytes, options.api_key)
+
+
+async def _start_engines(served: ServedModels, jobs: BatchJobs | None) -> None:
     await served.start()
     if served.not_serving() is not None:
         return
+    if jobs is not None:
+        jobs.start()  # unfinished batches resume here
     freeze_startup_objects()  # the front process's modules, routes and tokenizers
     options = served.options
     logger.info(
@@ -159,7 +180,7 @@ class FrontDoor:
                 answer = tei_error_response if path in routes_tei.TEI_PATHS else api_error_response
                 await answer(error)(scope, receive, send_with_status)
             else:
-                await self.app(scope, self._bounded(receive), send_with_status)
+                await self.app(scope, self._bounded(scope, receive), send_with_status)
         finally:
             timing.current_timings.reset(token)
             current_leases.reset(leases_token)
@@ -189,7 +210,7 @@ class FrontDoor:
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
-        limit = self.served.options.max_body_bytes
+        limit = _body_limit(scope, self.served.options)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return PayloadTooLarge(
@@ -199,8 +220,8 @@ class FrontDoor:
             return self.served.not_serving()
         return None
 
-    def _bounded(self, receive: Receive) -> Receive:
-        limit, received = self.served.options.max_body_bytes, 0
+    def _bounded(self, scope: Scope, receive: Receive) -> Receive:
+        limit, received = _body_limit(scope, self.served.options), 0
 
         async def bounded_receive() -> Message:
             nonlocal received
@@ -217,6 +238,13 @@ class FrontDoor:
     def _endpoint(scope: Scope, path: str) -> str:
         route = scope.get("route")
         return getattr(route, "path", None) or ("unknown" if route is None else path)
+
+
+def _body_limit(scope: Scope, options: ServerOptions) -> int:
+    """Bytes a request body may hold: a batch file upload has its own bound."""
+    if scope["path"] == "/v1/files" and scope["method"] == "POST":
+        return options.max_batch_file_bytes + routes_batches.MULTIPART_SLACK_BYTES
+    return options.max_body_bytes
 
 
 # ---- small routes ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from cenote.engine.dp_client import DataParallelEngineClient
 from cenote.engine.embedding_cache import CacheSize, EmbeddingCache, parse_cache_size
 from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import outputs_of
-from cenote.engine_args import option
+from cenote.engine_args import option, parse_bytes
 from cenote.images.sources import DEFAULT_MAX_IMAGE_PIXELS, MediaPolicy
 from cenote.inputs import PromptType
 from cenote.lora.manager import LoRAManager, shape_checker
@@ -251,6 +251,20 @@ class ServerOptions:
         300.0,
         "seconds a request waits for its --models-dir model to load (longer: 503; the load "
         "goes on)",
+    )
+    batch_dir: str | None = option(
+        None,
+        "turn the OpenAI Batch API on (/v1/files, /v1/batches): files, batches and every "
+        "finished line kept in this folder (SQLite), unfinished batches resumed at start; the "
+        "engines then schedule by priority, batch lines after interactive requests",
+        shown="none (the Batch API is off)",
+    )
+    max_batch_file_bytes: int = option(
+        200 << 20, "bytes of one uploaded batch file (more: 413)", parse=parse_bytes
+    )
+    max_batch_lines: int = option(50_000, "lines (requests) of one batch file (more: 400)")
+    batch_concurrency: int = option(
+        4, "lines of a running batch sent to the engines at once (each at batch priority)"
     )
     # not command-line options
     engine_dead_exit_delay_s: float = 2.0  # keep answering 503 this long before exiting
@@ -547,9 +561,14 @@ def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., A
         request: Request = kwargs["raw_request"]
         handler_task = asyncio.ensure_future(handler(*args, **kwargs))
         disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
-        done, _ = await asyncio.wait(
-            {handler_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED
-        )
+        try:
+            done, _ = await asyncio.wait(
+                {handler_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED
+            )
+        except asyncio.CancelledError:  # the caller went away (a cancelled batch line)
+            handler_task.cancel()
+            disconnect_task.cancel()
+            raise
         if handler_task in done:
             disconnect_task.cancel()
             return handler_task.result()
