@@ -3,11 +3,12 @@
 A tiny random Llama and BERT base, random adapters (``init_lora_weights=False``: B is not zero)
 saved by ``peft``; the reference is peft's merged model (the adapter folded into the weights)
 run by transformers, and sentence-transformers with the adapter loaded for embeddings.
+Adapters with their own classification head (``modules_to_save``) and ``--max-cpu-loras``:
+tests/test_lora_heads.py.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -149,22 +150,6 @@ def test_prefix_cache_keeps_adapters_apart(decoder: Decoder) -> None:
 # ---- bad input ------------------------------------------------------------------------------
 
 
-def _adapter_config(folder: Path, **changes) -> None:
-    path = folder / "adapter_config.json"
-    config = json.loads(path.read_text())
-    config.update(changes)
-    path.write_text(json.dumps(config))
-
-
-def _copy_adapter(decoder: Decoder, source: str, name: str) -> Path:
-    import shutil
-
-    target = decoder.root / name
-    if not target.exists():
-        shutil.copytree(decoder.root / source, target)
-    return target
-
-
 def _refused(decoder: Decoder, adapter: LoRARequest, *fragments: str) -> None:
     with pytest.raises(ValueError) as info:
         _generate(decoder, decoder.prompts[:1], adapter)
@@ -198,12 +183,6 @@ def test_embedding_and_tied_head_adapters_are_refused(decoder: Decoder, tmp_path
     _refused(decoder, LoRARequest("embed", 43, str(tmp_path / "embed")), "embedding-layer LoRA")
     write_adapter(decoder.base, tmp_path / "head", 3, ["lm_head", "q_proj"], r=4, lora_alpha=8)
     _refused(decoder, LoRARequest("head", 46, str(tmp_path / "head")), "lm_head", "not supported")
-
-
-def test_modules_to_save_is_refused(decoder: Decoder) -> None:
-    folder = _copy_adapter(decoder, "qv", "saves_modules")
-    _adapter_config(folder, modules_to_save=["score"])
-    _refused(decoder, LoRARequest("saves", 44, str(folder)), "modules_to_save")
 
 
 def test_missing_folder_and_reused_id_are_refused(decoder: Decoder, tmp_path) -> None:
