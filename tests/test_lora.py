@@ -29,6 +29,8 @@ from factories.st_folders import with_st_pooling
 from factories.texts import random_prompts as random_encoder_prompts
 
 from cenote import LoRARequest, PoolingParams, SamplingParams
+from cenote.lora.manager import LoRAManager
+from cenote.models.layers.lora import LoRABatch, LoRAGroup
 from cenote.models.llama import LlamaModel
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -260,3 +262,15 @@ def test_embedding_batch_mixing_adapter_and_base_equals_alone(encoder) -> None:
     for out, prompt, choice in zip(mixed, prompts, adapters, strict=True):
         (alone,) = llm.encode(token_prompts([prompt]), PoolingParams(), lora_request=choice)
         torch.testing.assert_close(out.outputs.data, alone.outputs.data, atol=BATCH_ATOL, rtol=0)
+
+
+def test_step_batch_makes_one_run_per_adjacent_adapter_requests() -> None:
+    """Requests of one adapter side by side (the runner orders a step by adapter) are one run
+    of rows; the update then reads and writes slices."""
+    manager = LoRAManager(object(), 4, 8, torch.float32, torch.device("cpu"))
+    ids, ends, counts = [None, 1, 1, 2, None, 1], [3, 5, 9, 10, 12, 13], [3, 2, 4, 1, 2, 1]
+    batch = manager.step_batch(ids, ends, counts)
+    assert batch is not None
+    assert batch.groups == (LoRAGroup(1, 3, 9), LoRAGroup(2, 9, 10), LoRAGroup(1, 12, 13))
+    assert manager.step_batch([2, 2], [4, 6], [4, 2]) == LoRABatch((LoRAGroup(2, 0, None),))
+    assert manager.step_batch([None, None], [4, 6], [4, 2]) is None

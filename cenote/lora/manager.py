@@ -182,23 +182,26 @@ class LoRAManager:
     def step_batch(
         self, adapter_ids: Sequence[int | None], row_ends: Sequence[int], num_tokens: Sequence[int]
     ) -> LoRABatch | None:
-        """The step's row groups: request ``i`` (adapter ``adapter_ids[i]``, None: the base)
-        owns rows ``row_ends[i] - num_tokens[i] ... row_ends[i]``. None when no row has an
-        adapter, so the base model's fused paths run."""
+        """The step's runs of rows per adapter: request ``i`` (adapter ``adapter_ids[i]``,
+        None: the base) owns rows ``row_ends[i] - num_tokens[i] ... row_ends[i]``; adjacent
+        requests of one adapter make one run (the runner orders requests by adapter). None when
+        no row has an adapter, so the base model's fused paths run."""
         if all(adapter_id is None for adapter_id in adapter_ids):
             return None
         if all(adapter_id == adapter_ids[0] for adapter_id in adapter_ids):
             assert adapter_ids[0] is not None
-            return LoRABatch((LoRAGroup(adapter_ids[0], None),))
-        rows: dict[int, list[torch.Tensor]] = {}
+            return LoRABatch((LoRAGroup(adapter_ids[0], 0, None),))
+        groups: list[LoRAGroup] = []
         for adapter_id, end, count in zip(adapter_ids, row_ends, num_tokens, strict=True):
-            if adapter_id is not None:
-                rows.setdefault(adapter_id, []).append(torch.arange(end - count, end))
-        groups = tuple(
-            LoRAGroup(adapter_id, torch.cat(ranges).to(self.device))
-            for adapter_id, ranges in rows.items()
-        )
-        return LoRABatch(groups)
+            if adapter_id is None:
+                continue
+            start = end - count
+            last = groups[-1] if groups else None
+            if last is not None and last.adapter_id == adapter_id and last.end == start:
+                groups[-1] = LoRAGroup(adapter_id, last.start, end)
+            else:
+                groups.append(LoRAGroup(adapter_id, start, end))
+        return LoRABatch(tuple(groups))
 
 
 def shape_checker(model_config: ModelConfig, max_lora_rank: int) -> LoRAManager:

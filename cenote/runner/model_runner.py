@@ -149,6 +149,9 @@ class ModelRunner:
         return output
 
     def _run_eager(self, scheduled: list[ScheduledRequest]) -> _Step:
+        if any(s.lora_int_id is not None for s in scheduled):
+            # each adapter's rows one run: its update works on slices, no gather / scatter
+            scheduled = sorted(scheduled, key=lambda s: s.lora_int_id or 0)
         batch = build_input_batch(
             scheduled, self.block_size, self.kv_caches, self.config.model.max_model_len, self.device
         )
