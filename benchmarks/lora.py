@@ -11,7 +11,8 @@ the per-row update's two ways of grouping rows (issue 31).
    arrival order gathered per adapter (``index_select``) and added back (``index_add_``), the
    path cenote had first; ``LoRAHost.add_lora`` as it runs now (the runner orders a step's
    requests by adapter, so each adapter's rows are one contiguous run of slices); one batched
-   matmul over per-row gathered factors (``bmm``).
+   matmul over per-row gathered factors (``bmm``). Then one adapter on a bf16 layer at growing
+   row counts, bf16 factors against fp32 copies (``SMALL_RUN_ROWS``).
 
 Adapters are written here as PEFT folders (``adapter_config.json`` + safetensors) with random
 factors; the base weights are the real ones. Prints the CPU; median of ``--runs``.
@@ -227,6 +228,34 @@ def _time_update(
     return [_microseconds(fn, calls) for fn in (gather, segments, batched)]
 
 
+def bench_crossover(args: argparse.Namespace) -> None:
+    """One adapter's update on a bf16 layer at growing row counts: factors in bf16 against fp32
+    copies (the rows converted); where fp32 stops winning sets ``SMALL_RUN_ROWS``."""
+    print(f"\nLoRA update of a bf16 layer, 1 adapter, rank {args.rank}, us/call")
+    print(f"{'shape':>12} {'rows':>6} {'bf16':>8} {'fp32':>8}")
+    for fan_in, fan_out in [(576, 576), (1536, 576), (384, 384)]:
+        for num_rows in (16, 32, 64, 128, 512, 2048):
+            times = _time_dtypes(fan_in, fan_out, args.rank, num_rows, args.update_calls)
+            print(f"{f'{fan_in}x{fan_out}':>12} {num_rows:>6} {times[0]:>8.1f} {times[1]:>8.1f}")
+
+
+def _time_dtypes(fan_in: int, fan_out: int, rank: int, num_rows: int, calls: int) -> list[float]:
+    x = torch.randn(num_rows, fan_in, dtype=torch.bfloat16)
+    out = torch.randn(num_rows, fan_out, dtype=torch.bfloat16)
+    a = torch.randn(rank, fan_in) * 0.02
+    b = torch.randn(fan_out, rank) * 0.02
+    a16, b16 = a.bfloat16(), b.bfloat16()
+
+    def bf16() -> torch.Tensor:
+        return out.add_(F.linear(F.linear(x, a16), b16))
+
+    def fp32() -> torch.Tensor:
+        return out.add_(F.linear(F.linear(x.float(), a), b).to(out.dtype))
+
+    scaled = max(10, calls * 16 // num_rows)
+    return [_microseconds(bf16, scaled), _microseconds(fp32, scaled)]
+
+
 def _microseconds(fn: Callable[[], torch.Tensor], calls: int) -> float:
     for _ in range(50):
         fn()
@@ -248,15 +277,20 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--update-calls", type=int, default=2000)
     parser.add_argument(
-        "--only", choices=["generation", "embeddings", "update"], nargs="+", default=None
+        "--only",
+        choices=["generation", "embeddings", "update", "crossover"],
+        nargs="+",
+        default=None,
     )
     args = parser.parse_args()
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    parts = args.only or ["update", "generation", "embeddings"]
+    parts = args.only or ["update", "crossover", "generation", "embeddings"]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if "update" in parts:
             bench_update(args)
+        if "crossover" in parts:
+            bench_crossover(args)
         if "generation" in parts:
             bench_generation(root, args)
         if "embeddings" in parts:

@@ -30,7 +30,14 @@ from factories.texts import random_prompts as random_encoder_prompts
 
 from cenote import LoRARequest, PoolingParams, SamplingParams
 from cenote.lora.manager import LoRAManager
-from cenote.models.layers.lora import LoRABatch, LoRAGroup
+from cenote.models.layers.lora import (
+    SMALL_RUN_ROWS,
+    LoRABatch,
+    LoRABlock,
+    LoRAGroup,
+    LoRAHost,
+    lora_context,
+)
 from cenote.models.llama import LlamaModel
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -274,3 +281,26 @@ def test_step_batch_makes_one_run_per_adjacent_adapter_requests() -> None:
     assert batch.groups == (LoRAGroup(1, 3, 9), LoRAGroup(2, 9, 10), LoRAGroup(1, 12, 13))
     assert manager.step_batch([2, 2], [4, 6], [4, 2]) == LoRABatch((LoRAGroup(2, 0, None),))
     assert manager.step_batch([None, None], [4, 6], [4, 2]) is None
+
+
+def test_small_runs_of_a_bf16_layer_multiply_the_fp32_copies() -> None:
+    """On a bf16 CPU model a run of few rows (decode) multiplies the fp32 copies of the factors
+    (faster there, docs/performance.md); a long run (prefill) the bf16 ones."""
+
+    class Host(LoRAHost):
+        def __init__(self) -> None:
+            self.init_lora()
+
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 32), torch.randn(24, 4)
+    host = Host()
+    host.lora_blocks[1] = (LoRABlock(a.bfloat16(), b.bfloat16(), 8, 32, a, b),)
+    for num_rows, fp32 in [(SMALL_RUN_ROWS - 1, True), (SMALL_RUN_ROWS, False)]:
+        x = torch.randn(num_rows, 32).bfloat16()
+        with lora_context(LoRABatch((LoRAGroup(1, 0, None),))):
+            out = host.add_lora(x, torch.zeros(num_rows, 32, dtype=torch.bfloat16))
+        if fp32:
+            expected = F.linear(F.linear(x.float(), a), b).bfloat16()
+        else:
+            expected = F.linear(F.linear(x, a.bfloat16()), b.bfloat16())
+        assert torch.equal(out[:, 8:], expected) and not out[:, :8].any()

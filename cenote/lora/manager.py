@@ -170,11 +170,14 @@ class LoRAManager:
                     f"lora_B {tuple(factors.b.shape)}, the base weight is "
                     f"({rows}, {in_features}); is it an adapter for another base model?"
                 )
+            small = self.device.type == "cpu" and self.dtype != torch.float32
             block = LoRABlock(
                 factors.a.to(self.device, self.dtype).contiguous(),
                 factors.b.to(self.device, self.dtype).contiguous(),
                 slot.start,
                 slot.end,
+                factors.a.to(self.device).contiguous() if small else None,
+                factors.b.to(self.device).contiguous() if small else None,
             )
             blocks.setdefault(module, []).append(block)
         return blocks

@@ -8,7 +8,8 @@ Which rows belong to which adapter is the step's ``LoRABatch``, set by the runne
 ``forward_context`` (rows without an adapter get nothing added). The runner orders a step's
 requests by adapter, so each adapter's rows are one contiguous run: its update reads and
 writes slices, with no gather or scatter (measured in docs/performance.md against
-``index_select`` / ``index_add_`` per adapter).
+``index_select`` / ``index_add_`` per adapter). On a bf16 CPU model a short run (decode rows)
+multiplies fp32 copies of the factors, a long one (prefill) the bf16 ones.
 
 A fused projection (q/k/v, gate/up) is one linear here: an adapter on ``q_proj`` is a block of
 the layer's output columns, so its ``B`` spans those columns only.
@@ -33,6 +34,15 @@ class LoRABlock:
     b: torch.Tensor  # [end - start, rank], scaling folded in
     start: int  # first output column updated
     end: int  # one past the last
+    # fp32 copies of a and b for runs of fewer than SMALL_RUN_ROWS rows (CPU, bf16 models);
+    # None: a and b serve every run
+    a_small: torch.Tensor | None = None
+    b_small: torch.Tensor | None = None
+
+
+# below this many rows a run's thin matmuls are faster in fp32 than in bf16 on the CPU (the
+# crossover measured at 64, docs/performance.md)
+SMALL_RUN_ROWS = 48
 
 
 @dataclass(frozen=True)
@@ -104,8 +114,13 @@ class LoRAHost:
             if blocks is None:
                 continue
             inputs = x[group.rows]  # [num_rows, in_features]
+            small = inputs.shape[0] < SMALL_RUN_ROWS and blocks[0].a_small is not None
+            if small:
+                inputs = inputs.float()
             for block in blocks:
+                a, b = (block.a_small, block.b_small) if small else (block.a, block.b)
+                assert a is not None and b is not None  # both copies or neither
                 # [num_rows, end - start]
-                delta = F.linear(F.linear(inputs, block.a), block.b).to(out.dtype)
+                delta = F.linear(F.linear(inputs, a), b).to(out.dtype)
                 out[group.rows, block.start : block.end].add_(delta)
         return out
