@@ -22,6 +22,7 @@ from factories.lora import write_adapter, write_head_adapter
 
 from cenote import LoRARequest, PoolingParams, SamplingParams
 from cenote.config import LoRAConfig
+from cenote.lora.manager import shape_checker
 
 PROB_ATOL = 1e-5  # the brief: probabilities vs peft, fp32
 BATCH_ATOL = 1e-5  # DESIGN.md §3: batch invariance in fp32
@@ -111,8 +112,14 @@ def test_head_of_another_label_count_is_refused(classifier: Classifier, tmp_path
         )
         spec = (["q_proj"], ["score"])
     write_head_adapter(other, tmp_path / "adapter", 3, spec[0], spec[1], r=4, lora_alpha=8)
+    wrong = LoRARequest("two", 30, str(tmp_path / "adapter"))
     with pytest.raises(ValueError, match=r"does not fit this base model.*\(2,.*\(3,"):
-        _classify(classifier, PROMPTS[:1], LoRARequest("two", 30, str(tmp_path / "adapter")))
+        _classify(classifier, PROMPTS[:1], wrong)
+    # the server's front checks the same on a copy of the model on the meta device
+    checker = shape_checker(classifier.llm.config.model, max_lora_rank=8)
+    checker.check(classifier.adapters["pooled"])
+    with pytest.raises(ValueError, match=r"does not fit this base model.*\(2,.*\(3,"):
+        checker.check(wrong)
     (probs,) = _classify(classifier, PROMPTS[:1], None)  # the engine is alive
     torch.testing.assert_close(probs, classifier.probs(None, PROMPTS[0]), atol=PROB_ATOL, rtol=0)
 
