@@ -118,14 +118,16 @@ def _check_config(folder: Path, config: dict[str, Any]) -> None:
 
 
 def _saved_tensors(tensors: dict[str, torch.Tensor], modules: list[str]) -> dict[str, torch.Tensor]:
-    """The full tensors of ``modules_to_save`` modules: PEFT matches a module whose dotted name
-    is the entry or ends with ``.<entry>``, and saves its tensors under their base names."""
+    """The full tensors of ``modules_to_save`` modules: PEFT wraps every module whose dotted
+    name ends with an entry (a plain string suffix: ``norm`` takes ``input_layernorm`` too) and
+    saves the tensors under it by their base names."""
     saved = {}
     for name, tensor in tensors.items():
         if name.endswith(_FACTORS) or "lora_" in name:
             continue
-        dotted = "." + name.removeprefix(_PEFT_PREFIX)
-        if any(f".{module}." in dotted for module in modules):
+        parts = name.removeprefix(_PEFT_PREFIX).split(".")
+        prefixes = (".".join(parts[:end]) for end in range(1, len(parts)))
+        if any(prefix.endswith(module) for prefix in prefixes for module in modules):
             saved[name] = tensor
     return saved
 
