@@ -124,6 +124,29 @@ def test_head_of_another_label_count_is_refused(classifier: Classifier, tmp_path
     torch.testing.assert_close(probs, classifier.probs(None, PROMPTS[0]), atol=PROB_ATOL, rtol=0)
 
 
+def test_token_classifier_head_equals_peft_per_token(tmp_path) -> None:
+    """A token classifier's saved ``classifier`` scores every row of its requests; a base
+    request in the same call keeps the base head."""
+    base = make_encoder_classifier(
+        tmp_path / "base", "bert", "ForTokenClassification", num_labels=5
+    )
+    reference = write_head_adapter(
+        base, tmp_path / "adapter", 5, ["query", "value"], ["classifier"], r=4, lora_alpha=8
+    )
+    llm = make_llm(tmp_path / "base")
+    adapter = LoRARequest("tokens", 1, str(tmp_path / "adapter"))
+    outputs = llm.encode(
+        token_prompts(PROMPTS[:2]), pooling_task="token_classify", lora_request=[adapter, None]
+    )
+    for out, prompt, model in zip(outputs, PROMPTS[:2], [reference, base], strict=True):
+        with torch.no_grad():
+            expected = model(torch.tensor([prompt])).logits[0].float().softmax(-1)
+        torch.testing.assert_close(out.outputs.data, expected, atol=PROB_ATOL, rtol=0)
+    with torch.no_grad():  # the adapter's head moves the answer: the test can tell
+        base_probs = base(torch.tensor([PROMPTS[0]])).logits[0].float().softmax(-1)
+    assert (outputs[0].outputs.data - base_probs).abs().max() > 1e-2
+
+
 def test_trunk_module_in_modules_to_save_is_refused(tmp_path) -> None:
     base = make_encoder_classifier(tmp_path / "base", "bert", "ForSequenceClassification")
     write_head_adapter(
