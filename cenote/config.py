@@ -348,6 +348,7 @@ class LoRAConfig:
 
     modules: tuple[LoRARequest, ...] = ()  # --lora-modules, loaded at start, ids 1, 2, ...
     max_loras: int = 8  # adapters resident at once
+    max_cpu_loras: int | None = None  # adapters kept in host memory once read; None: max_loras
     max_lora_rank: int = 64  # highest rank an adapter may have
 
     def __post_init__(self) -> None:
@@ -355,6 +356,12 @@ class LoRAConfig:
             raise ValueError(
                 f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}) must be "
                 "positive"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras}): the adapters kept in host memory include the resident "
+                "ones; raise --max-cpu-loras or leave it unset (max_loras)"
             )
         if len(self.modules) > self.max_loras:
             raise ValueError(

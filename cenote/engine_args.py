@@ -231,6 +231,13 @@ class EngineArgs:
         "LoRA adapters resident at once (served and per-request ones together); a new one "
         "evicts the least recently used adapter no request holds",
     )
+    max_cpu_loras: int | None = option(
+        None,
+        "LoRA adapters kept in host memory once read (at least max_loras); an adapter evicted "
+        "from the resident set comes back from there without reading its folder; the least "
+        "recently used is dropped first",
+        shown="max_loras",
+    )
     max_lora_rank: int = option(64, "highest LoRA rank an adapter may have (refused above)")
     speculative_config: SpeculativeConfig | dict[str, Any] | None = option(
         None,
@@ -356,6 +363,7 @@ class EngineArgs:
             lora=LoRAConfig(
                 modules=parse_lora_modules(self.lora_modules or []),
                 max_loras=self.max_loras,
+                max_cpu_loras=self.max_cpu_loras,
                 max_lora_rank=self.max_lora_rank,
             ),
             speculative=speculative,

@@ -3,11 +3,12 @@
 A tiny random Llama and BERT base, random adapters (``init_lora_weights=False``: B is not zero)
 saved by ``peft``; the reference is peft's merged model (the adapter folded into the weights)
 run by transformers, and sentence-transformers with the adapter loaded for embeddings.
+Adapters with their own classification head (``modules_to_save``) and ``--max-cpu-loras``:
+tests/test_lora_heads.py.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,15 @@ from factories.st_folders import with_st_pooling
 from factories.texts import random_prompts as random_encoder_prompts
 
 from cenote import LoRARequest, PoolingParams, SamplingParams
+from cenote.lora.manager import LoRAManager
+from cenote.models.layers.lora import (
+    SMALL_RUN_ROWS,
+    LoRABatch,
+    LoRABlock,
+    LoRAGroup,
+    LoRAHost,
+    lora_context,
+)
 from cenote.models.llama import LlamaModel
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -149,22 +159,6 @@ def test_prefix_cache_keeps_adapters_apart(decoder: Decoder) -> None:
 # ---- bad input ------------------------------------------------------------------------------
 
 
-def _adapter_config(folder: Path, **changes) -> None:
-    path = folder / "adapter_config.json"
-    config = json.loads(path.read_text())
-    config.update(changes)
-    path.write_text(json.dumps(config))
-
-
-def _copy_adapter(decoder: Decoder, source: str, name: str) -> Path:
-    import shutil
-
-    target = decoder.root / name
-    if not target.exists():
-        shutil.copytree(decoder.root / source, target)
-    return target
-
-
 def _refused(decoder: Decoder, adapter: LoRARequest, *fragments: str) -> None:
     with pytest.raises(ValueError) as info:
         _generate(decoder, decoder.prompts[:1], adapter)
@@ -198,12 +192,6 @@ def test_embedding_and_tied_head_adapters_are_refused(decoder: Decoder, tmp_path
     _refused(decoder, LoRARequest("embed", 43, str(tmp_path / "embed")), "embedding-layer LoRA")
     write_adapter(decoder.base, tmp_path / "head", 3, ["lm_head", "q_proj"], r=4, lora_alpha=8)
     _refused(decoder, LoRARequest("head", 46, str(tmp_path / "head")), "lm_head", "not supported")
-
-
-def test_modules_to_save_is_refused(decoder: Decoder) -> None:
-    folder = _copy_adapter(decoder, "qv", "saves_modules")
-    _adapter_config(folder, modules_to_save=["score"])
-    _refused(decoder, LoRARequest("saves", 44, str(folder)), "modules_to_save")
 
 
 def test_missing_folder_and_reused_id_are_refused(decoder: Decoder, tmp_path) -> None:
@@ -281,3 +269,38 @@ def test_embedding_batch_mixing_adapter_and_base_equals_alone(encoder) -> None:
     for out, prompt, choice in zip(mixed, prompts, adapters, strict=True):
         (alone,) = llm.encode(token_prompts([prompt]), PoolingParams(), lora_request=choice)
         torch.testing.assert_close(out.outputs.data, alone.outputs.data, atol=BATCH_ATOL, rtol=0)
+
+
+def test_step_batch_makes_one_run_per_adjacent_adapter_requests() -> None:
+    """Requests of one adapter side by side (the runner orders a step by adapter) are one run
+    of rows; the update then reads and writes slices."""
+    manager = LoRAManager(object(), 4, 8, torch.float32, torch.device("cpu"))
+    ids, ends, counts = [None, 1, 1, 2, None, 1], [3, 5, 9, 10, 12, 13], [3, 2, 4, 1, 2, 1]
+    batch = manager.step_batch(ids, ends, counts)
+    assert batch is not None
+    assert batch.groups == (LoRAGroup(1, 3, 9), LoRAGroup(2, 9, 10), LoRAGroup(1, 12, 13))
+    assert manager.step_batch([2, 2], [4, 6], [4, 2]) == LoRABatch((LoRAGroup(2, 0, None),))
+    assert manager.step_batch([None, None], [4, 6], [4, 2]) is None
+
+
+def test_small_runs_of_a_bf16_layer_multiply_the_fp32_copies() -> None:
+    """On a bf16 CPU model a run of few rows (decode) multiplies the fp32 copies of the factors
+    (faster there, docs/performance.md); a long run (prefill) the bf16 ones."""
+
+    class Host(LoRAHost):
+        def __init__(self) -> None:
+            self.init_lora()
+
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 32), torch.randn(24, 4)
+    host = Host()
+    host.lora_blocks[1] = (LoRABlock(a.bfloat16(), b.bfloat16(), 8, 32, a, b),)
+    for num_rows, fp32 in [(SMALL_RUN_ROWS - 1, True), (SMALL_RUN_ROWS, False)]:
+        x = torch.randn(num_rows, 32).bfloat16()
+        with lora_context(LoRABatch((LoRAGroup(1, 0, None),))):
+            out = host.add_lora(x, torch.zeros(num_rows, 32, dtype=torch.bfloat16))
+        if fp32:
+            expected = F.linear(F.linear(x.float(), a), b).bfloat16()
+        else:
+            expected = F.linear(F.linear(x, a.bfloat16()), b.bfloat16())
+        assert torch.equal(out[:, 8:], expected) and not out[:, :8].any()

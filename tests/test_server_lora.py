@@ -12,7 +12,7 @@ import httpx
 import pytest
 from factories.decoders import make_decoder
 from factories.generation import hf_greedy, random_prompts
-from factories.lora import write_adapter
+from factories.lora import write_adapter, write_head_adapter
 from server_fixture import ServerProcess
 from starlette.testclient import TestClient
 
@@ -193,6 +193,13 @@ def test_bad_adapters_are_refused_and_the_engine_serves_on(served, tmp_path: Pat
         server, "/v1/load_lora_adapter", {"lora_name": "dora", "lora_path": str(tmp_path / "dora")}
     )
     assert response.status_code == 400 and "DoRA" in response.text
+    # a saved full module (modules_to_save) that is no classification head of this model
+    write_head_adapter(base, tmp_path / "norm", 3, ["q_proj"], ["norm"], r=4, lora_alpha=8)
+    response = _post(
+        server, "/v1/load_lora_adapter", {"lora_name": "norm", "lora_path": str(tmp_path / "norm")}
+    )
+    assert response.status_code == 400 and "modules_to_save" in response.text
+    assert "no classification head" in response.text
     response = _post(server, "/v1/load_lora_adapter", {"lora_name": "x"})
     assert response.status_code == 400 and "lora_path" in response.text
     names = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]

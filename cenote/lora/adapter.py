@@ -5,7 +5,11 @@ PEFT saves ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``.lora_B
 ``[out, r]`` and adds ``lora_B(lora_A(x)) * scaling`` to the module's output, with
 ``scaling = lora_alpha / r`` (``use_rslora``: ``lora_alpha / sqrt(r)``). What cenote does not
 compute the same way is refused here, with the reason: DoRA, biases, ``alpha_pattern``,
-embedding adapters, ``modules_to_save`` (full copies of heads such as a classifier).
+embedding adapters, full tensors outside ``modules_to_save``.
+
+``modules_to_save`` (e.g. a fine-tuned ``classifier`` or ``score`` head) is saved by PEFT as the
+module's full tensors under the base checkpoint's names; they are kept as ``saved_tensors`` and
+the manager decides whether the model lets them replace its head.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class LoRAAdapter:
     path: Path
     rank: int  # the largest rank of its projections
     factors: dict[str, LoRAFactors]  # base checkpoint weight name (``<module>.weight``) -> update
+    # ``modules_to_save`` tensors: base checkpoint name (``<module>.weight`` / ``.bias``) -> tensor
+    saved_tensors: dict[str, torch.Tensor]
 
 
 def read_adapter(path: str | Path, max_rank: int) -> LoRAAdapter:
@@ -69,16 +75,18 @@ def read_adapter(path: str | Path, max_rank: int) -> LoRAAdapter:
     with safe_open(str(weights_path), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
             tensors[name] = f.get_tensor(name)
-    factors = _pair_factors(folder, tensors, config)
-    if not factors:
+    saved = _saved_tensors(tensors, config.get("modules_to_save") or [])
+    factors = _pair_factors(folder, {n: t for n, t in tensors.items() if n not in saved}, config)
+    if not factors and not saved:
         raise ValueError(f"LoRA adapter {folder}: adapter_model.safetensors has no lora_A/B")
-    rank = max(f.a.shape[0] for f in factors.values())
+    rank = max((f.a.shape[0] for f in factors.values()), default=0)
     if rank > max_rank:
         raise ValueError(
             f"LoRA adapter {folder} has rank {rank}, above max_lora_rank={max_rank}; "
             f"raise --max-lora-rank to at least {rank}"
         )
-    return LoRAAdapter(folder, rank, factors)
+    saved_tensors = {name.removeprefix(_PEFT_PREFIX): t.float() for name, t in saved.items()}
+    return LoRAAdapter(folder, rank, factors, saved_tensors)
 
 
 def _check_config(folder: Path, config: dict[str, Any]) -> None:
@@ -99,12 +107,6 @@ def _check_config(folder: Path, config: dict[str, Any]) -> None:
         raise ValueError(f"LoRA adapter {folder}: alpha_pattern is not supported")
     if config.get("fan_in_fan_out"):
         raise ValueError(f"LoRA adapter {folder}: fan_in_fan_out (Conv1D bases) is not supported")
-    if config.get("modules_to_save"):
-        raise ValueError(
-            f"LoRA adapter {folder} saves full modules {config['modules_to_save']} "
-            "(modules_to_save, e.g. a classifier head), which per-request adapters do not "
-            "replace yet"
-        )
     for option in _REFUSED_OPTIONS:
         if config.get(option):
             raise ValueError(
@@ -113,6 +115,21 @@ def _check_config(folder: Path, config: dict[str, Any]) -> None:
             )
     if "lora_alpha" not in config or "r" not in config:
         raise ValueError(f"LoRA adapter {folder}: adapter_config.json lacks r or lora_alpha")
+
+
+def _saved_tensors(tensors: dict[str, torch.Tensor], modules: list[str]) -> dict[str, torch.Tensor]:
+    """The full tensors of ``modules_to_save`` modules: PEFT wraps every module whose dotted
+    name ends with an entry (a plain string suffix: ``norm`` takes ``input_layernorm`` too) and
+    saves the tensors under it by their base names."""
+    saved = {}
+    for name, tensor in tensors.items():
+        if name.endswith(_FACTORS) or "lora_" in name:
+            continue
+        parts = name.removeprefix(_PEFT_PREFIX).split(".")
+        prefixes = (".".join(parts[:end]) for end in range(1, len(parts)))
+        if any(prefix.endswith(module) for prefix in prefixes for module in modules):
+            saved[name] = tensor
+    return saved
 
 
 def _pair_factors(

@@ -1,10 +1,14 @@
 """The adapters resident on one model, and which rows of a step run under each.
 
-``LoRAManager.activate`` reads an adapter folder once (``adapter.read_adapter``), checks every
+``LoRAManager.activate`` reads an adapter folder (``adapter.read_adapter``), checks every
 projection against the model (``LoRATarget.linear_slot``: module and output rows, fused q/k/v
-and gate/up included) and writes its blocks into those linear layers (``LoRAHost``). At most
-``max_loras`` adapters are resident; a new one evicts the least recently used adapter no
-request in the engine holds, and is refused when every resident adapter is held.
+and gate/up included) and writes its blocks into those linear layers (``LoRAHost``); a saved
+classification head (``modules_to_save``) becomes that adapter's score function
+(``heads.py``). At most ``max_loras`` adapters are resident; a new one evicts the least
+recently used adapter no request in the engine holds, and is refused when every resident
+adapter is held. Up to ``max_cpu_loras`` adapters read from disk are kept in host memory
+(least recently used dropped first), so an adapter evicted from the resident set comes back
+without reading its folder again (vLLM's ``--max-cpu-loras``).
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import torch
 from torch import nn
 
 from cenote.lora.adapter import LoRAAdapter, read_adapter
+from cenote.lora.heads import head_score, head_tensors
 from cenote.lora.request import LoRARequest
 from cenote.models.interfaces import LoRATarget
 from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost
 from cenote.models.registry import load_model_class
+from cenote.pooling.metadata import ScoreFn
 
 if TYPE_CHECKING:
     from cenote.config import ModelConfig
@@ -36,13 +42,24 @@ class LoRAManager:
         max_lora_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_cpu_loras: int | None = None,  # adapters kept in host memory; None: max_loras
     ) -> None:
         self.model = model
         self.device = device
         self.max_loras = max_loras
+        self.max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self._resident: OrderedDict[int, tuple[LoRARequest, list[LoRAHost]]] = OrderedDict()
+        self._heads: dict[int, ScoreFn] = {}  # adapters with their own classification head
+        # adapters as read from their folders, least recently used first
+        self._host: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
+        self.num_disk_reads = 0  # adapter folders read (the host cache's misses)
+
+    @property
+    def host_cached(self) -> list[LoRARequest]:
+        """The adapters kept in host memory, least recently used first."""
+        return [request for request, _ in self._host.values()]
 
     @property
     def resident(self) -> list[LoRARequest]:
@@ -60,18 +77,44 @@ class LoRAManager:
                     "needs an id of its own"
                 )
             self._resident.move_to_end(request.lora_int_id)
+            if request.lora_int_id in self._host:
+                self._host.move_to_end(request.lora_int_id)
             return
         if not isinstance(self.model, LoRATarget):
             raise ValueError(f"{type(self.model).__name__} takes no LoRA adapters")
-        adapter = read_adapter(request.lora_path, self.max_lora_rank)
+        adapter = self._read(request)
         blocks = self._place(adapter)  # checks everything before anything is written
+        heads = head_tensors(self.model, adapter.path, adapter.saved_tensors, self.device)
         if len(self._resident) >= self.max_loras:
             self._evict_one(held, request)
+        self._keep_in_host(request, adapter)
         hosts = []
         for host, host_blocks in blocks.items():
             host.lora_blocks[request.lora_int_id] = tuple(host_blocks)
             hosts.append(host)
+        if heads:
+            self._heads[request.lora_int_id] = head_score(self.model, heads)
         self._resident[request.lora_int_id] = (request, hosts)
+
+    def head_score(self, lora_int_id: int | None) -> ScoreFn | None:
+        """The classification head of a resident adapter that saved one (``modules_to_save``);
+        None: the model's head serves this request."""
+        return None if lora_int_id is None else self._heads.get(lora_int_id)
+
+    def _read(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter from host memory, else from its folder."""
+        entry = self._host.get(request.lora_int_id)
+        if entry is not None and entry[0] == request:
+            return entry[1]
+        self.num_disk_reads += 1
+        return read_adapter(request.lora_path, self.max_lora_rank)
+
+    def _keep_in_host(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Remember a placed adapter, dropping the least recently used beyond max_cpu_loras."""
+        self._host[request.lora_int_id] = (request, adapter)
+        self._host.move_to_end(request.lora_int_id)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
 
     def check(self, request: LoRARequest) -> None:
         """Everything ``activate`` checks (the folder, the rank, every projection's shape
@@ -79,7 +122,9 @@ class LoRAManager:
         on the meta device (``check_adapter``) it costs reading the adapter file only."""
         if not isinstance(self.model, LoRATarget):
             raise ValueError(f"{type(self.model).__name__} takes no LoRA adapters")
-        self._place(read_adapter(request.lora_path, self.max_lora_rank))
+        adapter = read_adapter(request.lora_path, self.max_lora_rank)
+        self._place(adapter)
+        head_tensors(self.model, adapter.path, adapter.saved_tensors, self.device)
 
     def deactivate(self, lora_int_id: int) -> bool:
         """Drop a resident adapter; returns whether it was resident."""
@@ -88,6 +133,7 @@ class LoRAManager:
             return False
         for host in entry[1]:
             del host.lora_blocks[lora_int_id]
+        self._heads.pop(lora_int_id, None)
         return True
 
     def _evict_one(self, held: Collection[int], incoming: LoRARequest) -> None:
@@ -124,11 +170,14 @@ class LoRAManager:
                     f"lora_B {tuple(factors.b.shape)}, the base weight is "
                     f"({rows}, {in_features}); is it an adapter for another base model?"
                 )
+            small = self.device.type == "cpu" and self.dtype != torch.float32
             block = LoRABlock(
                 factors.a.to(self.device, self.dtype).contiguous(),
                 factors.b.to(self.device, self.dtype).contiguous(),
                 slot.start,
                 slot.end,
+                factors.a.to(self.device).contiguous() if small else None,
+                factors.b.to(self.device).contiguous() if small else None,
             )
             blocks.setdefault(module, []).append(block)
         return blocks
@@ -136,23 +185,26 @@ class LoRAManager:
     def step_batch(
         self, adapter_ids: Sequence[int | None], row_ends: Sequence[int], num_tokens: Sequence[int]
     ) -> LoRABatch | None:
-        """The step's row groups: request ``i`` (adapter ``adapter_ids[i]``, None: the base)
-        owns rows ``row_ends[i] - num_tokens[i] ... row_ends[i]``. None when no row has an
-        adapter, so the base model's fused paths run."""
+        """The step's runs of rows per adapter: request ``i`` (adapter ``adapter_ids[i]``,
+        None: the base) owns rows ``row_ends[i] - num_tokens[i] ... row_ends[i]``; adjacent
+        requests of one adapter make one run (the runner orders requests by adapter). None when
+        no row has an adapter, so the base model's fused paths run."""
         if all(adapter_id is None for adapter_id in adapter_ids):
             return None
         if all(adapter_id == adapter_ids[0] for adapter_id in adapter_ids):
             assert adapter_ids[0] is not None
-            return LoRABatch((LoRAGroup(adapter_ids[0], None),))
-        rows: dict[int, list[torch.Tensor]] = {}
+            return LoRABatch((LoRAGroup(adapter_ids[0], 0, None),))
+        groups: list[LoRAGroup] = []
         for adapter_id, end, count in zip(adapter_ids, row_ends, num_tokens, strict=True):
-            if adapter_id is not None:
-                rows.setdefault(adapter_id, []).append(torch.arange(end - count, end))
-        groups = tuple(
-            LoRAGroup(adapter_id, torch.cat(ranges).to(self.device))
-            for adapter_id, ranges in rows.items()
-        )
-        return LoRABatch(groups)
+            if adapter_id is None:
+                continue
+            start = end - count
+            last = groups[-1] if groups else None
+            if last is not None and last.adapter_id == adapter_id and last.end == start:
+                groups[-1] = LoRAGroup(adapter_id, last.start, end)
+            else:
+                groups.append(LoRAGroup(adapter_id, start, end))
+        return LoRABatch(tuple(groups))
 
 
 def shape_checker(model_config: ModelConfig, max_lora_rank: int) -> LoRAManager:
@@ -162,7 +214,7 @@ def shape_checker(model_config: ModelConfig, max_lora_rank: int) -> LoRAManager:
     meta = torch.device("meta")
     with meta:
         model = load_model_class(model_config.architecture)(model_config)
-    return LoRAManager(model, 1, max_lora_rank, model_config.dtype, meta)
+    return LoRAManager(model, 1, max_lora_rank, model_config.dtype, meta, max_cpu_loras=0)
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:

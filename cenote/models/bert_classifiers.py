@@ -57,6 +57,7 @@ class _BertWithClassifier(ScorerDefaults, BertModel):
     """BERT trunk + ``classifier``, a linear layer to the config's labels."""
 
     has_classifier_head = True
+    head_modules: tuple[str, ...] = ("classifier",)  # ``ReplaceableHead``
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
@@ -66,6 +67,8 @@ class _BertWithClassifier(ScorerDefaults, BertModel):
 
 class BertForSequenceClassification(_BertWithClassifier):
     """BERT trunk + HF pooler (dense + tanh on CLS) + ``classifier``."""
+
+    head_modules: tuple[str, ...] = ("pooler_dense", "classifier")  # ``ReplaceableHead``
 
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled [N, hidden]`` (CLS rows) -> fp32 logits ``[N, num_labels]``."""

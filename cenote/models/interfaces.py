@@ -94,6 +94,15 @@ class SequenceScorer(Protocol):
         ...
 
 
+@runtime_checkable
+class ReplaceableHead(Protocol):
+    """A classification head that a LoRA adapter's ``modules_to_save`` may replace for its own
+    requests (cenote/lora): ``head_modules`` are our names of the linear layers that
+    ``compute_scores`` reads (``linear_slot`` maps the adapter's checkpoint names to them)."""
+
+    head_modules: tuple[str, ...]
+
+
 class ScorerDefaults:
     """The usual ``SequenceScorer`` declarations, for a head class to inherit (first, before
     its trunk) and override where it differs: CLS pooling, the config's activation, no

@@ -385,6 +385,7 @@ class LlamaForSequenceClassification(LlamaDecoder):
     """
 
     classifier_pooling: PoolingMethod | None = "last"  # the head reads the last token
+    head_modules: tuple[str, ...] = ("score",)  # ``ReplaceableHead``
     default_activation: Activation | None = None  # from the config
     step_tag_id: int | None = None
 

