@@ -200,3 +200,47 @@ def test_metrics_label_each_series_by_model(http):
     for name in ("embedder", "reranker", "chat"):
         assert f'cenote_prompt_tokens_total{{model_name="{name}"}}' in text
     assert text.count("# TYPE cenote_prompt_tokens_total counter") == 1  # one family
+
+
+def test_a_mixed_load_across_the_models_answers_as_the_offline_engines(server, folders, llm_fp32):
+    """Embeddings, reranks and chats sent at once from 6 clients (36 requests, interleaved):
+    every answer equals its model's offline engine, none is a 5xx."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cenote import LLM, SamplingParams
+
+    reranker = LLM(str(folders["reranker"]), dtype="float32", num_threads=1)
+    chat = LLM(str(folders["chat"]), dtype="float32", num_threads=1)
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    work = []
+    for i in range(12):
+        texts = [f"load text {i}", f"w{i + 5} w{i + 6}"]
+        embedded = [out.outputs.data for out in llm_fp32.embed(texts, use_tqdm=False)]
+        work.append(("/v1/embeddings", {"model": "embedder", "input": texts}, embedded))
+        query, documents = f"w{i + 5}", [f"w{i + 6} w{i + 7}", f"w{i + 5}"]
+        scores = [o.outputs.score for o in reranker.score(query, documents, use_tqdm=False)]
+        body = {"model": "reranker", "query": query, "documents": documents}
+        work.append(("/v1/rerank", body, scores))
+        prompt = f"w{i + 8} w{i + 9} w{i + 10}"
+        text = chat.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].text
+        body = {"model": "chat", "prompt": prompt, "max_tokens": 5, "temperature": 0}
+        work.append(("/v1/completions", body, text))
+
+    def send(item):
+        path, body, expected = item
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            return path, client.post(path, json=body), expected
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        answers = list(pool.map(send, work))
+    for path, response, expected in answers:
+        assert response.status_code == 200, (path, response.status_code, response.text)
+        body = response.json()
+        if path == "/v1/embeddings":
+            got = torch.tensor([row["embedding"] for row in body["data"]])
+            torch.testing.assert_close(got, torch.stack(expected), atol=1e-5, rtol=0)
+        elif path == "/v1/rerank":
+            got = {r["index"]: r["relevance_score"] for r in body["results"]}
+            assert got == pytest.approx(dict(enumerate(expected)), abs=1e-5)
+        else:
+            assert body["choices"][0]["text"] == expected
