@@ -139,7 +139,9 @@ _REFUSED = frozenset({"tools", "tool_choice", "functions", "function_call", "par
                       "response_format", "suffix", "best_of", "prompt_name",
                       "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar", "guided_whitespace_pattern",
-                      "guided_decoding_backend"})  # fmt: skip
+                      "guided_decoding_backend",
+                      # BGE-M3's combined score: a 400 on every other model
+                      "weights_for_different_modes"})  # fmt: skip
 
 
 def steer(path: str, body: Any) -> Any:
@@ -163,9 +165,37 @@ def steer(path: str, body: Any) -> Any:
         body["messages"] = [_steer_message(m) for m in body["messages"]] or [_steer_message({})]
     if body.get("documents") == []:
         body["documents"] = ["a document"]
+    if path in _SCORE_PATHS:
+        for name in _SCORE_FIELDS:
+            if name in body:
+                body[name] = _steer_score_input(body[name])
     if path in _GENERATION_PATHS:
         _steer_generation(path, body)
     return body
+
+
+_SCORE_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+_SCORE_FIELDS = ("query", "documents", "queries", "data_1", "data_2", "text_1", "text_2")
+
+
+def _steer_score_input(value: Any) -> Any:
+    """vLLM's multimodal score inputs kept in shape, their parts made valid: a top-level
+    ``{"content": [...]}`` gets text parts, a list element ``{"content": [...]}`` exactly one
+    (drawn part types and counts are the raw cases' to test)."""
+    if isinstance(value, dict) and "content" in value:
+        parts = value["content"] if isinstance(value["content"], list) else []
+        return {
+            "content": [{"type": "text", "text": "a part"} for _ in parts[:3]]
+            or [{"type": "text", "text": "a part"}]
+        }
+    if isinstance(value, list):
+        return [
+            {"content": [{"type": "text", "text": "a part"}]}
+            if isinstance(v, dict) and "content" in v
+            else v
+            for v in value
+        ]
+    return value
 
 
 _GENERATION_PATHS = ("/v1/completions", _CHAT_PATH)
