@@ -472,7 +472,10 @@ def kernel_library() -> bool:
         return _load_library()
 
 
+_OPS = _LibraryOps()  # one instance: each op is resolved once per process, not once per call
+
+
 def quant_ops() -> QuantOps | None:
     """The quantized-matmul / fused-layer ops of the kernel library (built on first call);
     None if unavailable. torch.ops carry no static types: QuantOps declares the schemas."""
-    return cast(QuantOps, _LibraryOps()) if kernel_library() else None
+    return cast(QuantOps, _OPS) if kernel_library() else None
