@@ -150,3 +150,14 @@ def test_variants_have_their_own_cache_folders(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(kernels, "cpu_identity", lambda: "model name: another CPU")
     assert extension_name("k", sources, [], "x86-64", "2.0") == names["x86-64"]
     assert extension_name("k", sources, [], "native", "2.0") != names["native"]
+
+
+def test_ops_are_resolved_once_per_process() -> None:
+    """``quant_ops()`` hands out one object whose ops are looked up once: a lookup per call
+    (a new object each time) cost 12 % of one-stream decode (docs/performance.md)."""
+    ops = quant_ops()
+    if ops is None:
+        pytest.skip("the kernel library did not build here")
+    assert quant_ops() is ops
+    assert ops.argmax_rows is quant_ops().argmax_rows  # cached on the object, not looked up again
+    assert "argmax_rows" in vars(ops)
