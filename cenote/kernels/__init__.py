@@ -466,10 +466,17 @@ def _load_library() -> bool:
     return built is True
 
 
+_library_loaded: bool | None = None  # set once the first call has built or failed
+
+
 def kernel_library() -> bool:
-    """Whether the ``cenote`` torch library is loaded (built on first call, under a lock)."""
-    with _lock:
-        return _load_library()
+    """Whether the ``cenote`` torch library is loaded (built on first call, under a lock; later
+    calls, one per kernel call on the hot path, read the answer without taking it)."""
+    global _library_loaded
+    if _library_loaded is None:
+        with _lock:
+            _library_loaded = _load_library()
+    return _library_loaded
 
 
 _OPS = _LibraryOps()  # one instance: each op is resolved once per process, not once per call
