@@ -69,8 +69,8 @@ from cenote.server.responses import (
     schema,
     shared_schema,
 )
-from cenote.server.served_models import ServedModels
-from cenote.server.state import ServerOptions, ServerState, get_served, get_state
+from cenote.server.served_models import ServedModels, get_served, get_state
+from cenote.server.state import ServerOptions, ServerState
 from cenote.server.tei_protocol import TEITokenizeRequest
 from cenote.server.timing import RequestTimings
 from cenote.server.tracing import RequestTracer

@@ -19,7 +19,8 @@ from cenote.server.errors import BadRequest
 from cenote.server.protocol import Int64, PoolingRequest, PositiveCount, _Body
 from cenote.server.responses import CohereEmbedResponse, schema
 from cenote.server.routes_pooling import json_response, pool
-from cenote.server.state import ServerState, get_state, with_cancellation
+from cenote.server.served_models import get_state
+from cenote.server.state import ServerState, with_cancellation
 
 router = APIRouter(route_class=JSONRoute)
 

@@ -25,7 +25,8 @@ from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest, describe_error
 from cenote.server.protocol import ChatCompletionRequest, CompletionRequest, _GenerationBody
 from cenote.server.responses import ChatCompletionResponse, CompletionResponse, schema
-from cenote.server.state import ServerState, get_state, new_request_id, with_cancellation
+from cenote.server.served_models import get_state
+from cenote.server.state import ServerState, new_request_id, with_cancellation
 
 router = APIRouter(route_class=JSONRoute)
 

@@ -18,7 +18,7 @@ from fastapi.responses import PlainTextResponse
 from cenote.server.body import JSONRoute
 from cenote.server.protocol import _Body
 from cenote.server.responses import schema
-from cenote.server.state import get_served
+from cenote.server.served_models import get_served
 
 router = APIRouter(route_class=JSONRoute)
 

@@ -26,8 +26,8 @@ from cenote.server.errors import BadRequest
 from cenote.server.on_demand import OnDemandModel, OnDemandModels
 from cenote.server.protocol import _Body
 from cenote.server.responses import ModelCard, ModelList, ModelStatusResponse, schema
-from cenote.server.served_models import ServedModels
-from cenote.server.state import ServerState, get_served
+from cenote.server.served_models import ServedModels, get_served
+from cenote.server.state import ServerState
 
 router = APIRouter(route_class=JSONRoute)
 

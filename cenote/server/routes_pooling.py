@@ -24,7 +24,8 @@ from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest
 from cenote.server.protocol import EmbeddingRequest, PoolingRequest, _PoolingBody
 from cenote.server.responses import EmbeddingResponse, PoolingResponse, schema
-from cenote.server.state import ServerState, get_state, new_request_id, with_cancellation
+from cenote.server.served_models import get_state
+from cenote.server.state import ServerState, new_request_id, with_cancellation
 from cenote.tasks import POOLING_TASKS, PoolingTask, PoolingTaskSelection
 
 router = APIRouter(route_class=JSONRoute)

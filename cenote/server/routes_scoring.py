@@ -37,8 +37,8 @@ from cenote.server.responses import (
     shared_schema,
 )
 from cenote.server.routes_pooling import json_response, list_response, pool
-from cenote.server.served_models import SCORE_TASK
-from cenote.server.state import ServerState, get_state, new_request_id, with_cancellation
+from cenote.server.served_models import SCORE_TASK, get_state
+from cenote.server.state import ServerState, new_request_id, with_cancellation
 from cenote.server.tei_protocol import TEIRerankRequest
 
 router = APIRouter(route_class=JSONRoute)

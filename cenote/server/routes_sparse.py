@@ -15,7 +15,8 @@ from cenote.server.errors import BadRequest
 from cenote.server.protocol import EmbeddingRequest, PoolingRequest, PromptInput, _Body
 from cenote.server.responses import schema
 from cenote.server.routes_pooling import list_response, pool
-from cenote.server.state import ServerState, get_state, with_cancellation
+from cenote.server.served_models import get_state
+from cenote.server.state import ServerState, with_cancellation
 
 router = APIRouter(route_class=JSONRoute)
 

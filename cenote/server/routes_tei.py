@@ -25,7 +25,8 @@ from cenote.server.responses import any_of, tei_schema
 from cenote.server.routes_pooling import pool
 from cenote.server.routes_scoring import tei_rerank
 from cenote.server.routes_sparse import SparseEmbedRequest, embed_sparse
-from cenote.server.state import ServerState, get_state, with_cancellation
+from cenote.server.served_models import get_state
+from cenote.server.state import ServerState, with_cancellation
 from cenote.server.tei_protocol import (
     TEIDecodeRequest,
     TEIDecodeResponse,

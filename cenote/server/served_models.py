@@ -26,6 +26,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fastapi import Request
+
 from cenote.server.errors import APIError, BadRequest, ModelNotFound, Unavailable
 from cenote.server.metrics import MetricFamilies
 from cenote.server.on_demand import OnDemandModels
@@ -264,3 +266,17 @@ class ServedModels:
 def _score_type(state: ServerState) -> str | None:
     capabilities = state.client.capabilities
     return capabilities.score_type if capabilities is not None else None
+
+
+async def get_state(
+    request: Request, model: str | None = None, task: str | None = None
+) -> ServerState:
+    """The model ``request`` is for: the one its body names (``model``), else the first that
+    serves ``task`` (``ServedModels.route``: 404 for an unknown name, 503 for a model that is
+    not running; a ``--models-dir`` model is loaded first)."""
+    return await get_served(request).route(model, task)
+
+
+def get_served(request: Request) -> ServedModels:
+    served: ServedModels = request.app.state.cenote
+    return served

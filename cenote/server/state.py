@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 
@@ -36,9 +36,6 @@ from cenote.outputs import PoolingRequestOutput
 from cenote.server import timing
 from cenote.server.errors import BadRequest, ModelNotFound, Overloaded, Unavailable
 from cenote.server.metrics import MetricFamilies, ServerMetrics
-
-if TYPE_CHECKING:
-    from cenote.server.served_models import ServedModels
 
 logger = logging.getLogger(__name__)
 
@@ -537,20 +534,6 @@ class ServerState:
 
 def new_request_id(prefix: str, given: str | None = None) -> str:
     return given or f"{prefix}-{uuid.uuid4().hex}"
-
-
-async def get_state(
-    request: Request, model: str | None = None, task: str | None = None
-) -> ServerState:
-    """The model ``request`` is for: the one its body names (``model``), else the first that
-    serves ``task`` (``ServedModels.route``: 404 for an unknown name, 503 for a model that is
-    not running; a ``--models-dir`` model is loaded first)."""
-    return await get_served(request).route(model, task)
-
-
-def get_served(request: Request) -> ServedModels:
-    served: ServedModels = request.app.state.cenote
-    return served
 
 
 def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
