@@ -249,11 +249,14 @@ def test_text_only_folder(tmp_path: Path, kind: str) -> None:
         llm.embed([{"image": make_image(30, 30)}], use_tqdm=False)
 
 
-@pytest.mark.parametrize("kind", ["CLIPVisionModelWithProjection", "SiglipVisionModel"])
+@pytest.mark.parametrize(
+    "kind", ["CLIPVisionModelWithProjection", "CLIPVisionModel", "SiglipVisionModel"]
+)
 def test_image_only_folder(tmp_path: Path, kind: str) -> None:
     """The vision tower alone, saved without a tokenizer: hidden states and image embeddings as
-    transformers gives them (``image_embeds``, SigLIP's ``pooler_output``), images scored
-    against images; a text is a clear error naming what the folder has."""
+    transformers gives them (``image_embeds``; ``CLIPVisionModel``'s and SigLIP's
+    ``pooler_output``), images scored against images; a text is a clear error naming what the
+    folder has."""
     name = "clip" if kind.startswith("CLIP") else "siglip"
     hf = (make_clip if name == "clip" else make_siglip)(tmp_path, kind)
     assert not (tmp_path / "tokenizer.json").exists()
@@ -267,7 +270,8 @@ def test_image_only_folder(tmp_path: Path, kind: str) -> None:
     if name == "siglip":  # transformers returns SigLIP's after the post-LayerNorm
         hidden = model.vision_model.post_layernorm(hidden)
     torch.testing.assert_close(hidden, outputs.last_hidden_state, atol=ATOL, rtol=0)
-    reference = outputs.image_embeds if name == "clip" else outputs.pooler_output
+    with_projection = kind == "CLIPVisionModelWithProjection"
+    reference = outputs.image_embeds if with_projection else outputs.pooler_output
     llm = LLM(str(tmp_path), dtype="float32", num_threads=NUM_THREADS)
     ours = _embed(llm, [{"image": image} for image in images])
     cosine = F.cosine_similarity(ours, reference, dim=-1)

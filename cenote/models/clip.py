@@ -1,7 +1,9 @@
 """CLIP: a text tower and a vision tower whose pooled outputs are projected into one space
 (``CLIPModel``, and the one-tower folders ``CLIPTextModelWithProjection`` /
 ``CLIPVisionModelWithProjection``: a request for the tower a folder lacks is refused at the
-edge, ``embeds_text`` and ``num_image_tokens``). SigLIP (``siglip.py``) builds on the same towers.
+edge, ``embeds_text`` and ``num_image_tokens``; ``CLIPVisionModel``, the vision tower without
+projection, embeds an image as its ``pooler_output``). SigLIP (``siglip.py``) builds on the same
+towers.
 
 An image request's rows in the flat batch are placeholders, one per image token (its patches
 and the class token), so the scheduler budgets images as it budgets text; the vision tower reads
@@ -378,6 +380,31 @@ class ClipModel(nn.Module):
 
     def required_parameters(self) -> set[str]:
         return self.checkpoint_map.required()
+
+
+class ClipVisionModel(ClipModel):
+    """``CLIPVisionModel``: the vision tower alone, no projection; an image's embedding is
+    transformers' ``pooler_output`` (the class token after the post-LayerNorm), in the tower's
+    width. Vision encoders of larger models (LLaVA's, for one) ship as such folders."""
+
+    def _embed_dim(
+        self, config: dict[str, Any], text: dict[str, Any] | None, vision: dict[str, Any] | None
+    ) -> int:
+        if text is not None or vision is None:
+            raise ValueError("a CLIPVisionModel folder holds a vision tower config alone")
+        return int(vision["hidden_size"])
+
+    def _build_heads(self, text: dict[str, Any] | None, vision: dict[str, Any] | None) -> None:
+        self.text_projection = None
+        self.visual_projection = None
+
+    def _slots(self, text: dict[str, Any] | None, vision: dict[str, Any] | None) -> dict[str, Slot]:
+        assert vision is not None
+        return VisionTower.slots("vision_model.", vision["num_hidden_layers"], True, False)
+
+    def image_embeddings(self, hidden: Tensor) -> Tensor:
+        assert self.vision_model is not None
+        return self.vision_model.post_layernorm(hidden[:, 0])  # [num_images, hidden]
 
 
 def _tower_name(name: str, prefix: str) -> str:
