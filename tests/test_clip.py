@@ -231,17 +231,20 @@ def test_offline_bad_images(family, tmp_path: Path) -> None:
     assert len(_embed(llm, [{"image": make_image(30, 30)}, "cat"])) == 2
 
 
-@pytest.mark.parametrize("kind", ["CLIPTextModelWithProjection", "SiglipTextModel"])
+@pytest.mark.parametrize(
+    "kind", ["CLIPTextModelWithProjection", "CLIPTextModel", "SiglipTextModel"]
+)
 def test_text_only_folder(tmp_path: Path, kind: str) -> None:
-    """The text tower alone: texts as transformers embeds them (``text_embeds``, SigLIP's
-    ``pooler_output``); an image is a clear error naming the missing tower."""
+    """The text tower alone: texts as transformers embeds them (``text_embeds``;
+    ``CLIPTextModel``'s and SigLIP's ``pooler_output``); an image is a clear error naming the
+    missing tower."""
     hf = make_clip(tmp_path, kind) if kind.startswith("CLIP") else make_siglip(tmp_path, kind)
     llm = LLM(str(tmp_path), dtype="float32", num_threads=NUM_THREADS)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     with torch.no_grad():
         name = "clip" if kind.startswith("CLIP") else "siglip"
         outputs = [hf(input_ids=_text_ids(name, tokenizer, t)) for t in TEXTS]
-    field = "text_embeds" if name == "clip" else "pooler_output"
+    field = "text_embeds" if kind == "CLIPTextModelWithProjection" else "pooler_output"
     reference = torch.cat([getattr(o, field) for o in outputs])
     cosine = F.cosine_similarity(_embed(llm, TEXTS), reference, dim=-1)
     assert cosine.min() >= MIN_COSINE_FP32

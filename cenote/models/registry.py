@@ -97,7 +97,9 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
         "CLIPModel": ("clip", "ClipModel"),
         "CLIPTextModelWithProjection": ("clip", "ClipModel"),
         "CLIPVisionModelWithProjection": ("clip", "ClipModel"),
-        "CLIPVisionModel": ("clip", "ClipVisionModel"),  # no projection: pooler_output
+        # one tower without projection: transformers' pooler_output
+        "CLIPTextModel": ("clip", "ClipTowerModel"),
+        "CLIPVisionModel": ("clip", "ClipTowerModel"),
         "SiglipModel": ("siglip", "SiglipModel"),
         "SiglipTextModel": ("siglip", "SiglipModel"),
         "SiglipVisionModel": ("siglip", "SiglipModel"),

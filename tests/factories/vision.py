@@ -48,7 +48,7 @@ def _tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def make_clip(folder: Path, kind: str = "CLIPModel", seed: int = 0) -> torch.nn.Module:
-    """A seeded ``CLIPModel`` (or ``CLIPTextModelWithProjection`` /
+    """A seeded ``CLIPModel`` (or ``CLIPTextModelWithProjection`` / ``CLIPTextModel`` /
     ``CLIPVisionModelWithProjection`` / ``CLIPVisionModel``: one tower; the vision ones saved
     without a tokenizer, as image-only folders come) folder; returns the model."""
     text = dict(TEXT, bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_act="quick_gelu")
