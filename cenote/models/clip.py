@@ -2,8 +2,8 @@
 (``CLIPModel``, and the one-tower folders ``CLIPTextModelWithProjection`` /
 ``CLIPVisionModelWithProjection``: a request for the tower a folder lacks is refused at the
 edge, ``embeds_text`` and ``num_image_tokens``; ``CLIPVisionModel`` / ``CLIPTextModel``, a
-tower without projection, embed as their ``pooler_output``). SigLIP (``siglip.py``) builds on the same
-towers.
+tower without projection, embed as their ``pooler_output``). SigLIP (``siglip.py``) builds on
+the same towers.
 
 An image request's rows in the flat batch are placeholders, one per image token (its patches
 and the class token), so the scheduler budgets images as it budgets text; the vision tower reads
