@@ -2,7 +2,8 @@
 preprocessing vs transformers' PIL image processors, each tower's hidden states, text and image
 embeddings vs ``get_text_features`` / ``get_image_features`` and sentence-transformers, batch
 invariance, score, and the
-served shape (vLLM's ``messages`` with ``image_url`` parts) with its bad inputs."""
+served shapes (vLLM's ``messages`` with ``image_url`` parts; Cohere's ``/v2/embed`` ``images`` and
+``inputs`` through the ``cohere`` SDK) with their bad inputs."""
 
 from __future__ import annotations
 
@@ -230,17 +231,20 @@ def test_offline_bad_images(family, tmp_path: Path) -> None:
     assert len(_embed(llm, [{"image": make_image(30, 30)}, "cat"])) == 2
 
 
-@pytest.mark.parametrize("kind", ["CLIPTextModelWithProjection", "SiglipTextModel"])
+@pytest.mark.parametrize(
+    "kind", ["CLIPTextModelWithProjection", "CLIPTextModel", "SiglipTextModel"]
+)
 def test_text_only_folder(tmp_path: Path, kind: str) -> None:
-    """The text tower alone: texts as transformers embeds them (``text_embeds``, SigLIP's
-    ``pooler_output``); an image is a clear error naming the missing tower."""
+    """The text tower alone: texts as transformers embeds them (``text_embeds``;
+    ``CLIPTextModel``'s and SigLIP's ``pooler_output``); an image is a clear error naming the
+    missing tower."""
     hf = make_clip(tmp_path, kind) if kind.startswith("CLIP") else make_siglip(tmp_path, kind)
     llm = LLM(str(tmp_path), dtype="float32", num_threads=NUM_THREADS)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     with torch.no_grad():
         name = "clip" if kind.startswith("CLIP") else "siglip"
         outputs = [hf(input_ids=_text_ids(name, tokenizer, t)) for t in TEXTS]
-    field = "text_embeds" if name == "clip" else "pooler_output"
+    field = "text_embeds" if kind == "CLIPTextModelWithProjection" else "pooler_output"
     reference = torch.cat([getattr(o, field) for o in outputs])
     cosine = F.cosine_similarity(_embed(llm, TEXTS), reference, dim=-1)
     assert cosine.min() >= MIN_COSINE_FP32
@@ -248,11 +252,14 @@ def test_text_only_folder(tmp_path: Path, kind: str) -> None:
         llm.embed([{"image": make_image(30, 30)}], use_tqdm=False)
 
 
-@pytest.mark.parametrize("kind", ["CLIPVisionModelWithProjection", "SiglipVisionModel"])
+@pytest.mark.parametrize(
+    "kind", ["CLIPVisionModelWithProjection", "CLIPVisionModel", "SiglipVisionModel"]
+)
 def test_image_only_folder(tmp_path: Path, kind: str) -> None:
     """The vision tower alone, saved without a tokenizer: hidden states and image embeddings as
-    transformers gives them (``image_embeds``, SigLIP's ``pooler_output``), images scored
-    against images; a text is a clear error naming what the folder has."""
+    transformers gives them (``image_embeds``; ``CLIPVisionModel``'s and SigLIP's
+    ``pooler_output``), images scored against images; a text is a clear error naming what the
+    folder has."""
     name = "clip" if kind.startswith("CLIP") else "siglip"
     hf = (make_clip if name == "clip" else make_siglip)(tmp_path, kind)
     assert not (tmp_path / "tokenizer.json").exists()
@@ -266,7 +273,8 @@ def test_image_only_folder(tmp_path: Path, kind: str) -> None:
     if name == "siglip":  # transformers returns SigLIP's after the post-LayerNorm
         hidden = model.vision_model.post_layernorm(hidden)
     torch.testing.assert_close(hidden, outputs.last_hidden_state, atol=ATOL, rtol=0)
-    reference = outputs.image_embeds if name == "clip" else outputs.pooler_output
+    with_projection = kind == "CLIPVisionModelWithProjection"
+    reference = outputs.image_embeds if with_projection else outputs.pooler_output
     llm = LLM(str(tmp_path), dtype="float32", num_threads=NUM_THREADS)
     ours = _embed(llm, [{"image": image} for image in images])
     cosine = F.cosine_similarity(ours, reference, dim=-1)
@@ -541,3 +549,120 @@ def test_served_image_only_folder(tmp_path_factory: pytest.TempPathFactory) -> N
         assert scores == pytest.approx(cosine, abs=1e-5)
     finally:
         server.stop()
+
+
+# ---- served on Cohere's /v2/embed: images and inputs ------------------------------------------
+
+COHERE_TYPES = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
+
+
+@pytest.fixture(scope="module")
+def cohere_client(clip_server):
+    """The official ``cohere`` SDK's ``ClientV2`` on the CLIP server, and its model name."""
+    import cohere
+
+    server, _, _ = clip_server
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    return cohere.ClientV2(api_key="unused", base_url=server.url), name
+
+
+def test_cohere_image_embeddings(clip_server, cohere_client) -> None:
+    """``images`` (input_type image) and ``inputs`` (one image_url or text part each) through the
+    SDK: an image's vector is ``/v1/embeddings``' for the same image (and transformers'
+    ``get_image_features``), a text's is ``/v1/embeddings``' text; every embedding type is
+    encoded from those floats; images are billed by count, not as tokens."""
+    import cohere
+
+    server, folder, media = clip_server
+    co, model = cohere_client
+    image = make_image(45, 37)  # the pixels of media / "image.png"
+    url = f"{server.url}/v1/embeddings"
+    served = httpx.post(url, json={"messages": _image_messages(_data_uri(image))}, timeout=60)
+    expected_image = torch.tensor(served.json()["data"][0]["embedding"])
+    served = httpx.post(url, json={"input": TEXTS[0]}, timeout=60)
+    expected_text = torch.tensor(served.json()["data"][0]["embedding"])
+    hf = transformers.CLIPModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        pixels = _hf_pixels("clip", folder, [image])
+        reference = hf.get_image_features(pixel_values=pixels).pooler_output
+
+    response = co.embed(
+        model=model, input_type="image", images=[_data_uri(image)], embedding_types=COHERE_TYPES
+    )
+    floats = torch.tensor(response.embeddings.float_)
+    torch.testing.assert_close(floats[0], expected_image, atol=BATCH_ATOL, rtol=0)
+    assert F.cosine_similarity(floats, reference, dim=-1).min() >= MIN_COSINE_FP32
+    decoded = torch.frombuffer(bytearray(base64.b64decode(response.embeddings.base64[0])),
+                               dtype=torch.float32)  # fmt: skip
+    assert torch.equal(decoded, floats[0])
+    assert len(response.embeddings.binary[0]) == len(response.embeddings.ubinary[0]) == 3  # 24/8
+    assert all(-128 <= v <= 127 for v in response.embeddings.int8[0])
+    assert response.meta.billed_units.images == 1 and response.meta.billed_units.input_tokens == 0
+
+    inputs = [
+        cohere.EmbedInput(content=[cohere.TextEmbedContent(text=TEXTS[0])]),
+        cohere.EmbedInput(
+            content=[
+                cohere.ImageUrlEmbedContent(
+                    image_url=cohere.EmbedImageUrl(url=f"file://{media / 'image.png'}")
+                )
+            ]
+        ),
+    ]
+    response = co.embed(model=model, input_type="search_document", inputs=inputs)
+    text_vector, image_vector = torch.tensor(response.embeddings.float_)
+    torch.testing.assert_close(text_vector, expected_text, atol=BATCH_ATOL, rtol=0)
+    torch.testing.assert_close(image_vector, expected_image, atol=BATCH_ATOL, rtol=0)
+    billed = response.meta.billed_units
+    assert billed.images == 1 and billed.input_tokens == 2 + len(TEXTS[0].split())
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not_an_image",
+        "too_many_pixels",
+        "remote_url",
+        "file_outside",
+        "text_and_image_in_one_input",
+        "texts_as_image",
+        "texts_and_images",
+        "image_part_without_url",
+    ],
+)
+def test_cohere_bad_images(clip_server, tmp_path: Path, case: str) -> None:
+    """Each is a 400 naming the cause (with the numbers) under the limits /v1/embeddings holds
+    images to, and the engine serves the next request."""
+    server, _, _ = clip_server
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(png_bytes(make_image(30, 30)))
+    not_image = "data:image/png;base64," + base64.b64encode(b"plain text").decode()
+    good = _image_part(_data_uri(make_image(9, 9)))
+    body, expected = {
+        "not_an_image": ({"images": [not_image]}, "not an image"),
+        "too_many_pixels": (
+            {"images": [_data_uri(make_image(50, 41))]},
+            "50 x 41 = 2050 pixels, more than the limit of 2000",
+        ),
+        "remote_url": ({"images": ["https://example.com/cat.png"]}, "--allow-remote-media"),
+        "file_outside": ({"images": [f"file://{outside}"]}, "outside the allowed local media"),
+        "text_and_image_in_one_input": (
+            {"inputs": [{"content": [good, {"type": "text", "text": "a cat"}]}]},
+            "inputs[0] holds 2 content parts (1 text, 1 image_url)",
+        ),
+        "texts_as_image": ({"texts": ["a cat"]}, "input_type 'image' embeds images"),
+        "texts_and_images": (
+            {"texts": ["a cat"], "images": [good["image_url"]["url"]]},
+            "exactly one of texts, images and inputs (got texts, images)",
+        ),
+        "image_part_without_url": (
+            {"inputs": [{"content": [{"type": "image_url"}]}]},
+            "inputs[0] is an image_url part without image_url",
+        ),
+    }[case]
+    url = f"{server.url}/v2/embed"
+    response = httpx.post(url, json={"input_type": "image", **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert expected in response.json()["error"]["message"]
+    fine = {"input_type": "image", "images": [good["image_url"]["url"]]}
+    assert httpx.post(url, json=fine, timeout=60).status_code == 200

@@ -139,7 +139,12 @@ def test_truncate_and_dimensions(co, model_name, server: ServerProcess) -> None:
     [
         ({"input_type": "search_query"}, "texts"),
         ({"input_type": "image", "texts": ["a"], "images": ["data:image/png;base64,AAAA"]},
-         "embeds texts"),
+         "pass exactly one of texts, images and inputs (got texts, images)"),
+        ({"input_type": "image", "images": ["data:image/png;base64,AAAA"]},
+         "is an image, but this model has no vision tower"),
+        ({"input_type": "search_document", "inputs": [
+            {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+        ]}, "no vision tower"),
         ({"input_type": "search_query", "texts": []}, "texts"),
         ({"input_type": "search_query", "texts": ["a"], "embedding_types": ["int4"]},
          "embedding_types"),

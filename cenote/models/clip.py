@@ -1,7 +1,9 @@
 """CLIP: a text tower and a vision tower whose pooled outputs are projected into one space
 (``CLIPModel``, and the one-tower folders ``CLIPTextModelWithProjection`` /
 ``CLIPVisionModelWithProjection``: a request for the tower a folder lacks is refused at the
-edge, ``embeds_text`` and ``num_image_tokens``). SigLIP (``siglip.py``) builds on the same towers.
+edge, ``embeds_text`` and ``num_image_tokens``; ``CLIPVisionModel`` / ``CLIPTextModel``, a
+tower without projection, embed as their ``pooler_output``). SigLIP (``siglip.py``) builds on
+the same towers.
 
 An image request's rows in the flat batch are placeholders, one per image token (its patches
 and the class token), so the scheduler budgets images as it budgets text; the vision tower reads
@@ -378,6 +380,37 @@ class ClipModel(nn.Module):
 
     def required_parameters(self) -> set[str]:
         return self.checkpoint_map.required()
+
+
+class ClipTowerModel(ClipModel):
+    """``CLIPVisionModel`` / ``CLIPTextModel``: one tower alone, no projection; the embedding
+    is transformers' ``pooler_output`` in the tower's width (an image: the class token after
+    the post-LayerNorm; a text: its EOS row after the final LayerNorm). Vision encoders of
+    larger models (LLaVA's) and text encoders of diffusion models ship as such folders."""
+
+    def _embed_dim(
+        self, config: dict[str, Any], text: dict[str, Any] | None, vision: dict[str, Any] | None
+    ) -> int:
+        tower = text if text is not None else vision
+        assert tower is not None
+        return int(tower["hidden_size"])
+
+    def _build_heads(self, text: dict[str, Any] | None, vision: dict[str, Any] | None) -> None:
+        self.text_projection = None
+        self.visual_projection = None
+
+    def _slots(self, text: dict[str, Any] | None, vision: dict[str, Any] | None) -> dict[str, Slot]:
+        if text is not None:
+            return TextTower.slots("text_model.", text["num_hidden_layers"])
+        assert vision is not None
+        return VisionTower.slots("vision_model.", vision["num_hidden_layers"], True, False)
+
+    def text_embeddings(self, hidden: Tensor, rows: list[int]) -> Tensor:
+        return hidden[rows]  # [len(rows), hidden]
+
+    def image_embeddings(self, hidden: Tensor) -> Tensor:
+        assert self.vision_model is not None
+        return self.vision_model.post_layernorm(hidden[:, 0])  # [num_images, hidden]
 
 
 def _tower_name(name: str, prefix: str) -> str:

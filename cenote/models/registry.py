@@ -97,6 +97,9 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
         "CLIPModel": ("clip", "ClipModel"),
         "CLIPTextModelWithProjection": ("clip", "ClipModel"),
         "CLIPVisionModelWithProjection": ("clip", "ClipModel"),
+        # one tower without projection: transformers' pooler_output
+        "CLIPTextModel": ("clip", "ClipTowerModel"),
+        "CLIPVisionModel": ("clip", "ClipTowerModel"),
         "SiglipModel": ("siglip", "SiglipModel"),
         "SiglipTextModel": ("siglip", "SiglipModel"),
         "SiglipVisionModel": ("siglip", "SiglipModel"),
@@ -137,7 +140,9 @@ _REGISTRY: dict[str, ModelEntry] = {
 
 # image-only folders: they embed images, so a folder without tokenizer.json is served with an
 # empty tokenizer (texts are refused at the edge, ModelCapabilities.embeds_text)
-VISION_ONLY_ARCHITECTURES = frozenset({"CLIPVisionModelWithProjection", "SiglipVisionModel"})
+VISION_ONLY_ARCHITECTURES = frozenset(
+    {"CLIPVisionModel", "CLIPVisionModelWithProjection", "SiglipVisionModel"}
+)
 
 
 def supported_architectures() -> list[str]:

@@ -222,7 +222,8 @@ class CohereEmbeddings(BaseModel):
 
 
 class CohereBilledUnits(BaseModel):
-    input_tokens: int
+    input_tokens: int  # tokens of the texts (an image's placeholder rows are not counted)
+    images: int | None = None  # images embedded, when there are any
 
 
 class CohereEmbedMeta(BaseModel):
@@ -236,7 +237,7 @@ class CohereEmbedResponse(BaseModel):
     id: str
     response_type: Literal["embeddings_by_type"]
     embeddings: CohereEmbeddings
-    texts: list[str]
+    texts: list[str]  # the request's ``texts``; empty for ``images`` and ``inputs``
     meta: CohereEmbedMeta
 
 

@@ -48,15 +48,15 @@ def _tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def make_clip(folder: Path, kind: str = "CLIPModel", seed: int = 0) -> torch.nn.Module:
-    """A seeded ``CLIPModel`` (or ``CLIPTextModelWithProjection`` /
-    ``CLIPVisionModelWithProjection``: one tower; the vision one saved without a tokenizer, as
-    image-only folders come) folder; returns the model."""
+    """A seeded ``CLIPModel`` (or ``CLIPTextModelWithProjection`` / ``CLIPTextModel`` /
+    ``CLIPVisionModelWithProjection`` / ``CLIPVisionModel``: one tower; the vision ones saved
+    without a tokenizer, as image-only folders come) folder; returns the model."""
     text = dict(TEXT, bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_act="quick_gelu")
     vision = dict(VISION, hidden_act="quick_gelu")
     torch.manual_seed(seed)
     if kind == "CLIPModel":
         config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=24)
-    elif kind == "CLIPVisionModelWithProjection":
+    elif "Vision" in kind:
         config = transformers.CLIPVisionConfig(**vision, projection_dim=24)
     else:
         config = transformers.CLIPTextConfig(**text, projection_dim=24)
