@@ -20,7 +20,7 @@ from cenote.forward_context import AttentionMetadata, forward_context
 from cenote.kv_cache.manager import KVCacheManager
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
-from cenote.scheduler.request import Request
+from cenote.request import Request
 
 ATOL = 1e-4  # DESIGN.md §3: logits vs transformers, fp32
 WINDOW = 5
