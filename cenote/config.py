@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from cenote.lora.request import LoRARequest
-from cenote.models.hub_cache import ModelSource, locate_model
+from cenote.models.formats.hub_cache import ModelSource, locate_model
+from cenote.models.formats.st_config import SentenceTransformerConfig, load_st_config
 from cenote.models.registry import (
     VISION_ONLY_ARCHITECTURES,
     ConvertOption,
@@ -21,7 +22,6 @@ from cenote.models.registry import (
     convert_architecture,
     pylate_architecture,
 )
-from cenote.models.st_config import SentenceTransformerConfig, load_st_config
 from cenote.platform import DEFAULT_GPU_MEMORY_UTILIZATION, cuda_default_dtype
 
 if TYPE_CHECKING:
