@@ -1,6 +1,6 @@
 """cenote: one inference engine for generation and pooling.
 
-The package exports the offline API, ``cenote.entrypoints.llm``'s ``__all__`` (``LLM``, its
+The package exports the offline API, ``cenote.llm``'s ``__all__`` (``LLM``, its
 params and output classes), imported on first use: nothing heavy runs at ``import cenote``.
 """
 
@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from cenote.entrypoints.llm import *  # noqa: F403
+    from cenote.llm import *  # noqa: F403
 
-_API = "cenote.entrypoints.llm"
+_API = "cenote.llm"
 
 
 def __getattr__(name: str) -> object:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cenote.entrypoints.cli import main
+from cenote.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -1,10 +1,9 @@
 """One frozen config tree, built once at the edge by ``EngineArgs.create_engine_config()``
-(``cenote/engine_args.py``: the options of ``LLM(**kwargs)`` and ``cenote serve``)."""
+(``cenote/engine_args.py``: the options of ``LLM(**kwargs)`` and ``cenote serve``). Plain data:
+reading a model folder or GGUF file into a ``ModelConfig`` is ``models/config_reader.py``'s."""
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -13,18 +12,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from cenote.lora.request import LoRARequest
-from cenote.models.hub_cache import ModelSource, locate_model
-from cenote.models.registry import (
-    VISION_ONLY_ARCHITECTURES,
-    ConvertOption,
-    bge_m3_architecture,
-    convert_architecture,
-    pylate_architecture,
-)
-from cenote.models.st_config import SentenceTransformerConfig, load_st_config
 from cenote.platform import DEFAULT_GPU_MEMORY_UTILIZATION, cuda_default_dtype
 
 if TYPE_CHECKING:
+    from cenote.models.formats.st_config import SentenceTransformerConfig
     from cenote.models.gguf_loader import GGUFCheckpoint
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -117,61 +108,11 @@ class ModelConfig:
     # all come from this one reader. Crossing a process it travels as its path (re-opened there).
     gguf: GGUFCheckpoint | None = field(default=None, compare=False, repr=False)
     device: Literal["cpu", "cuda"] = "cpu"  # where weights, KV cache and step tensors live
+    vision_only: bool = False  # an image tower alone: no text vocabulary (models/registry.py)
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
-
-    @classmethod
-    def from_path(
-        cls,
-        model: str | os.PathLike[str] | None,
-        dtype: DTypeName | torch.dtype = "auto",
-        max_model_len: int | None = None,
-        hf_overrides: dict[str, Any] | None = None,
-        served_model_name: str | None = None,
-        pooler_config: PoolerConfig | dict[str, Any] | None = None,
-        convert: ConvertOption = "auto",
-        max_logprobs: int = 20,
-        revision: str | None = None,
-        device: Literal["cpu", "cuda"] = "cpu",
-    ) -> ModelConfig:
-        """Read a model folder, GGUF file or hub id (``owner/name`` from the local Hugging Face
-        cache at ``revision``) once; ``convert`` swaps the architecture for the sibling that
-        serves the task (a causal LM becomes a sequence classifier)."""
-        # every entry point (LLM, serve, run-batch, embed, Ray) names its model here
-        source = _model_source(model, revision)
-        path = source.path
-        gguf = _open_gguf(path)
-        hf_config = {**_read_hf_config(path, gguf), **(hf_overrides or {})}
-        architectures = hf_config.get("architectures") or []
-        if not architectures:
-            raise ValueError(f"{path / 'config.json'} names no architecture")
-        architecture = pylate_architecture(path, bge_m3_architecture(path, architectures[0]))
-        converted = convert_architecture(architecture, convert)
-        if converted != architectures[0]:  # kept in the config: what every reader sees
-            hf_config["architectures"] = [converted]
-        st_config = gguf.st_config if gguf is not None else load_st_config(path)
-        limit = _model_len_limit(hf_config, st_config)
-        if max_model_len is not None:
-            if max_model_len < 1:
-                raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-            if max_model_len > limit:
-                raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
-            limit = max_model_len
-        return cls(
-            path=path,
-            architecture=converted,
-            hf_config=hf_config,
-            dtype=resolve_dtype(dtype, device),
-            max_model_len=limit,
-            st_config=st_config,
-            served_model_name=served_model_name or source.name,
-            pooler_config=PoolerConfig.of(pooler_config),
-            max_logprobs=max_logprobs,
-            gguf=gguf,
-            device=device,
-        )
 
     @property
     def gguf_file(self) -> Path | None:
@@ -181,7 +122,7 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         config = text_config(self.hf_config)
-        if "vocab_size" not in config and self.architecture in VISION_ONLY_ARCHITECTURES:
+        if "vocab_size" not in config and self.vision_only:
             return 1  # an image-only folder: its image placeholder token id (0) alone
         return int(config["vocab_size"])
 
@@ -192,48 +133,11 @@ class ModelConfig:
         )
 
 
-def _model_source(model: str | os.PathLike[str] | None, revision: str | None) -> ModelSource:
-    if model is not None:
-        return locate_model(model, revision)
-    if revision is not None:
-        raise ValueError(f"revision {revision!r} needs a hub id; no model was given")
-    return ModelSource(path=default_model_path(), name="sentence-transformers/all-MiniLM-L6-v2")
-
-
-def _open_gguf(path: Path) -> GGUFCheckpoint | None:
-    if not (path.is_file() and path.suffix == ".gguf"):
-        return None
-    from cenote.models.gguf_loader import load_gguf
-
-    return load_gguf(path)
-
-
-def _read_hf_config(path: Path, gguf: GGUFCheckpoint | None) -> dict[str, Any]:
-    if gguf is not None:
-        return dict(gguf.config)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"{path} is not a model folder (config.json is missing) nor a .gguf file"
-        )
-    with open(path / "config.json", encoding="utf-8") as f:
-        config: dict[str, Any] = json.load(f)
-    return config
-
-
 def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The config of the model's text: a two-tower model's (CLIP, SigLIP) ``text_config``, else
     the whole config."""
     nested = hf_config.get("text_config")
     return nested if isinstance(nested, dict) else hf_config
-
-
-def _model_len_limit(hf_config: dict[str, Any], st_config: SentenceTransformerConfig | None) -> int:
-    limit = int(text_config(hf_config).get("max_position_embeddings", 2048))
-    if hf_config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "mpnet"):
-        limit -= int(hf_config.get("pad_token_id", 1)) + 1  # positions start after padding_idx
-    if st_config is not None and st_config.max_seq_length:
-        limit = min(limit, int(st_config.max_seq_length))
-    return limit
 
 
 SchedulingPolicy = Literal["fcfs", "priority"]

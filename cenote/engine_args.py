@@ -30,13 +30,13 @@ from cenote.config import (
     DTypeName,
     EngineConfig,
     LoRAConfig,
-    ModelConfig,
     PoolerConfig,
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
     parse_lora_modules,
 )
+from cenote.models.config_reader import read_model_config
 from cenote.models.registry import ConvertOption, get_entry
 from cenote.platform import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -311,7 +311,7 @@ class EngineArgs:
             quantization=self.quantization,
             gpu_memory_utilization=self.gpu_memory_utilization,
         )
-        model_config = ModelConfig.from_path(
+        model_config = read_model_config(
             self.model,
             self.dtype,
             self.max_model_len,

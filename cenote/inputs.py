@@ -3,7 +3,10 @@ processor turns each into token ids; nothing else tokenizes."""
 
 from __future__ import annotations
 
-from typing import Any, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
+
+# how a text is encoded where a model tells queries from documents (ColBERT's markers)
+TextRole = Literal["query", "document"]
 
 
 class TextPrompt(TypedDict):

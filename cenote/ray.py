@@ -77,7 +77,7 @@ class _EngineWorker:
     def __init__(
         self, model: str | None, drop_columns: Sequence[str], llm_kwargs: dict[str, Any]
     ) -> None:
-        from cenote.entrypoints.llm import LLM
+        from cenote.llm import LLM
 
         llm_kwargs.setdefault("num_threads", _assigned_cpus())
         self.llm = LLM(model, **llm_kwargs)

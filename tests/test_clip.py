@@ -19,11 +19,11 @@ from conftest import NUM_THREADS
 from factories.vision import IMAGE_SIZE, TEXT, make_clip, make_image, make_siglip, png_bytes
 
 from cenote import LLM
-from cenote.config import ModelConfig
 from cenote.errors import InvalidInputError
 from cenote.forward_context import AttentionMetadata, forward_context
 from cenote.images.processor import ImageProcessor
 from cenote.models.clip import ClipModel
+from cenote.models.config_reader import read_model_config
 from cenote.models.loader import load_model
 
 ATOL = 1e-4  # DESIGN.md §3: hidden states vs transformers, fp32
@@ -89,7 +89,7 @@ def test_preprocessing_matches_transformers(family) -> None:
 
 def test_tower_hidden_states_match_transformers(family) -> None:
     name, folder, hf, _ = family
-    model = load_model(ModelConfig.from_path(folder, dtype="float32"))
+    model = load_model(read_model_config(folder, dtype="float32"))
     assert isinstance(model, ClipModel) and model.text_model and model.vision_model
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     ids = [tokenizer(text)["input_ids"] for text in TEXTS]
@@ -265,7 +265,7 @@ def test_image_only_folder(tmp_path: Path, kind: str) -> None:
     assert not (tmp_path / "tokenizer.json").exists()
     images = _images()
     pixels = _hf_pixels(name, tmp_path, images)
-    model = load_model(ModelConfig.from_path(tmp_path, dtype="float32"))
+    model = load_model(read_model_config(tmp_path, dtype="float32"))
     assert isinstance(model, ClipModel) and model.text_model is None and model.vision_model
     with torch.no_grad():
         hidden = model.vision_model(pixels)

@@ -15,8 +15,8 @@ from factories.decoders import make_decoder
 from factories.generation import make_llm, random_prompts, token_prompts
 
 from cenote import SamplingParams
+from cenote.cli import main as cli
 from cenote.engine_args import EngineArgs
-from cenote.entrypoints import cli
 from cenote.forward_context import get_attention_metadata
 from cenote.models.layers.attention_plan import paged_plan
 from cenote.platform import uses_cuda_graphs

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import NUM_THREADS
 
+from cenote.cli import main as cli
 from cenote.engine.embedding_cache import (
     OUTPUT_NEUTRAL_PARAMS,
     OUTPUT_NEUTRAL_REQUEST_FIELDS,
@@ -22,7 +23,6 @@ from cenote.engine.embedding_cache import (
     parse_cache_size,
 )
 from cenote.engine.input_processor import ParentRequest
-from cenote.entrypoints import cli
 from cenote.lora.request import LoRARequest
 from cenote.messages import EngineCoreRequest
 from cenote.outputs import EmbeddingOutput, PoolingRequestOutput

@@ -22,9 +22,9 @@ from factories.decoders import make_decoder
 from factories.encoders import make_encoder
 
 from cenote import LLM, SamplingParams
+from cenote.cli import main as cli
 from cenote.engine.core_launcher import CORE_ENVIRONMENT, child_environment
 from cenote.engine_args import EngineArgs
-from cenote.entrypoints import cli
 from cenote.models import gguf_loader
 from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.models.tokenizer import load_chat_template, load_tokenizer

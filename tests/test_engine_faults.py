@@ -6,7 +6,7 @@ import pytest
 
 from cenote.engine.core import _MAX_CONSECUTIVE_STEP_FAILURES
 from cenote.errors import RequestFailedError, RequestRejectedError
-from cenote.scheduler.request import Request
+from cenote.request import Request
 
 
 class _FailingExecute:

@@ -19,8 +19,8 @@ from factories.texts import random_prompts as random_ids
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from cenote import PoolingParams, SamplingParams
-from cenote.config import ModelConfig
 from cenote.forward_context import AttentionMetadata, forward_context
+from cenote.models.config_reader import read_model_config
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 
@@ -73,7 +73,7 @@ def make_gemma3_causal(folder: Path, seed: int = 0, **overrides) -> torch.nn.Mod
 def causal(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp(request.param)
     theirs = make_gemma3_causal(folder, **CAUSAL_VARIANTS[request.param])
-    ours = load_model(ModelConfig.from_path(folder, dtype="float32"))
+    ours = load_model(read_model_config(folder, dtype="float32"))
     return request.param, ours, theirs
 
 
@@ -175,7 +175,7 @@ def test_unknown_rope_type_is_refused_with_the_supported_list(tmp_path: Path) ->
     config["rope_parameters"]["full_attention"] = {"rope_type": "yarn", "factor": 8.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="'yarn' is not supported; supported: default, linear"):
-        load_model(ModelConfig.from_path(tmp_path, dtype="float32"))
+        load_model(read_model_config(tmp_path, dtype="float32"))
 
 
 # ---- attention soft-capping (Gemma 2 style), as transformers' eager attention -----------------

@@ -1,4 +1,4 @@
-"""cenote's GGUF header reader (cenote/models/gguf_file.py) against gguf's own ``GGUFReader``.
+"""cenote's GGUF header reader (cenote/models/formats/gguf_file.py) against gguf's own ``GGUFReader``.
 
 Every metadata value and every tensor (name, type, shape, offset, bytes) must read as gguf's
 reader reads it: on the real SmolLM2 file and on a file written here with every value type, empty
@@ -16,7 +16,7 @@ import pytest
 from factories.generation import smollm2_path
 from factories.gguf import write_and_close
 
-from cenote.models.gguf_file import GGUFFile, GGUFFormatError
+from cenote.models.formats.gguf_file import GGUFFile, GGUFFormatError
 
 
 def assert_reads_as_gguf_reader(path: Path) -> None:

@@ -9,13 +9,8 @@ import pytest
 import torch
 from factories.generation import smollm2_path
 
-from cenote.models.gguf_loader import (
-    GGUFCheckpoint,
-    GGUFError,
-    hf_tensor_name,
-    load_gguf,
-    unpermute_rotary,
-)
+from cenote.models.formats.gguf_decoders import hf_tensor_name, unpermute_rotary
+from cenote.models.gguf_loader import GGUFCheckpoint, GGUFError, load_gguf
 
 # transformers is imported inside the tests, after this: never reach the model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

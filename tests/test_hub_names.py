@@ -20,7 +20,7 @@ from factories.texts import PROSE
 
 from cenote import LLM
 from cenote.engine_args import EngineArgs
-from cenote.models.hub_cache import hub_cache_dir, is_hub_id
+from cenote.models.formats.hub_cache import hub_cache_dir, is_hub_id
 
 HUB_ID = "BAAI/bge-tiny-en"  # main: model A; v2 (and its commit hash): model B
 COMMIT_A, COMMIT_B = "a" * 40, "0123456789abcdef0123456789abcdef01234567"

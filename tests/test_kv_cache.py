@@ -12,7 +12,7 @@ import torch
 from cenote.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from cenote.kv_cache.hashing import compute_block_hashes, hash_block_tokens
 from cenote.kv_cache.manager import KVCacheManager, num_blocks_for_memory, num_blocks_per_request
-from cenote.scheduler.request import Request
+from cenote.request import Request
 
 BLOCK_SIZE = 4
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers
 
-from cenote.config import ModelConfig
 from cenote.forward_context import AttentionMetadata, forward_context
+from cenote.models.config_reader import read_model_config
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 
@@ -63,7 +63,7 @@ def _hf_model(variant: str, head: str, **extra) -> torch.nn.Module:
 
 def _save_and_load(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
     model.save_pretrained(folder)
-    return load_model(ModelConfig.from_path(folder, dtype="float32"))
+    return load_model(read_model_config(folder, dtype="float32"))
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cenote import LLM, PoolingParams
-from cenote.entrypoints import llm as llm_module
+from cenote import llm as llm_module
 from cenote.errors import InvalidInputError
 
 TEXTS = [f"text number {i}: " + "word " * (i % 7) for i in range(11)]

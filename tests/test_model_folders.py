@@ -240,7 +240,7 @@ def test_include_prompt_false_is_read(tmp_path: Path) -> None:
     """A pooling that leaves the prompt out (parity: tests/test_include_prompt.py)."""
     import json
 
-    from cenote.models.st_config import load_st_config
+    from cenote.models.formats.st_config import load_st_config
 
     (tmp_path / "1_Pooling").mkdir()
     modules = [

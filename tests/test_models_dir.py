@@ -18,8 +18,8 @@ import httpx
 import pytest
 import torch
 
-from cenote.entrypoints.cli import _parser, _served_models
-from cenote.entrypoints.model_specs import model_specs
+from cenote.cli.main import _parser, _served_models
+from cenote.cli.model_specs import model_specs
 from cenote.server.state import ServerOptions
 from tests.factories.decoders import make_decoder
 from tests.factories.gguf import write_encoder_gguf

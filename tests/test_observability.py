@@ -249,7 +249,7 @@ def test_tracing_off_imports_no_opentelemetry_sdk() -> None:
     """fastapi itself imports the OpenTelemetry API; cenote imports nothing more unless asked."""
     result = _python(
         "import sys\n"
-        "import cenote.entrypoints.cli, cenote.server.app\n"
+        "import cenote.cli.main, cenote.server.app\n"
         "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', "
         "'opentelemetry.exporter'))))"
     )
@@ -262,7 +262,7 @@ def test_the_flag_without_the_extra_is_a_clear_start_up_error() -> None:
     result = _python(
         "import sys\n"
         "sys.modules['opentelemetry.sdk.trace'] = None  # as if cenote[otel] were not installed\n"
-        "from cenote.entrypoints.cli import main\n"
+        "from cenote.cli.main import main\n"
         f"main(['serve', '--otlp-traces-endpoint', 'http://127.0.0.1:4317', '--port', "
         f"'{free_port()}'])"
     )
@@ -272,7 +272,7 @@ def test_the_flag_without_the_extra_is_a_clear_start_up_error() -> None:
 
 
 def test_a_negative_log_requests_max_chars_is_refused(capsys) -> None:
-    from cenote.entrypoints import cli
+    from cenote.cli import main as cli
 
     with pytest.raises(SystemExit) as exited:
         cli._parser().parse_args(["serve", "--log-requests-max-chars", "-1"])

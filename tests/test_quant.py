@@ -352,11 +352,11 @@ def smollm2_gguf():
 
 
 def test_smollm2_gguf_stays_quantized(smollm2_gguf):
-    from cenote.config import ModelConfig
+    from cenote.models.config_reader import read_model_config
     from cenote.models.layers.quant import QuantEmbedding
     from cenote.models.loader import load_model
 
-    model_config = ModelConfig.from_path(str(smollm2_gguf), dtype="float32")
+    model_config = read_model_config(str(smollm2_gguf), dtype="float32")
     model_config = dataclasses.replace(model_config, quantized_dense_copy="off")
     model = load_model(model_config)
     layer = model.model.layers[0]
@@ -415,10 +415,10 @@ def test_quantization_of_a_gguf_is_refused(smollm2_gguf):
 def test_without_the_kernel_a_gguf_loads_dense(smollm2_gguf, monkeypatch, caplog):
     """Where the kernel cannot be built the GGUF is dequantized, with one log line saying so."""
     import cenote.models.loader as loader
-    from cenote.config import ModelConfig
+    from cenote.models.config_reader import read_model_config
 
     monkeypatch.setattr(loader, "quant_ops", lambda: None)
-    model_config = ModelConfig.from_path(str(smollm2_gguf), dtype="float32")
+    model_config = read_model_config(str(smollm2_gguf), dtype="float32")
     with caplog.at_level(logging.WARNING, logger="cenote.models.loader"):
         model = loader.load_model(model_config)
     assert not any(isinstance(m, QuantLinear) for m in model.modules())

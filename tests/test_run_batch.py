@@ -14,7 +14,7 @@ from factories.processes import run_cenote
 from factories.tokenized import record_tokenized
 
 from cenote.batch.reader import BatchFileError
-from cenote.entrypoints.run_batch import BatchLimits, run_batch
+from cenote.cli.run_batch import BatchLimits, run_batch
 from cenote.sampling_params import SamplingParams
 
 LONG_TEXT = "word " * 400  # more than all-MiniLM-L6-v2's 256 tokens

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from cenote.cli.main import _parser, _served_models
+from cenote.cli.model_specs import model_specs
 from cenote.engine.cpu_shares import CoreShare, plan_cpu_shares, share_cpus
 from cenote.engine_args import EngineArgs
-from cenote.entrypoints.cli import _parser, _served_models
-from cenote.entrypoints.model_specs import model_specs
 from cenote.server.state import ServerOptions
 
 

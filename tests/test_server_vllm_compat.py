@@ -64,7 +64,7 @@ def test_chat_template_option_renders_messages(minilm) -> None:
 
 
 def test_chat_template_option_reads_text_too(tmp_path: Path) -> None:
-    from cenote.entrypoints.cli import _chat_template
+    from cenote.cli.main import _chat_template
 
     assert _chat_template(TEMPLATE) == TEMPLATE
     (tmp_path / "t.jinja").write_text(TEMPLATE)

@@ -15,12 +15,12 @@ from factories.generation import hf_greedy, make_llm, random_prompts, record_ste
 from factories.seeded import hf_config, random_model
 
 from cenote import SamplingParams
-from cenote.config import ModelConfig
 from cenote.forward_context import AttentionMetadata, forward_context
 from cenote.kv_cache.manager import KVCacheManager
+from cenote.models.config_reader import read_model_config
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
-from cenote.scheduler.request import Request
+from cenote.request import Request
 
 ATOL = 1e-4  # DESIGN.md §3: logits vs transformers, fp32
 WINDOW = 5
@@ -48,7 +48,7 @@ def make_sliding_decoder(folder: Path, variant: str, seed: int = 0, **extra) -> 
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp(request.param)
     theirs = make_sliding_decoder(folder, request.param)
-    ours = load_model(ModelConfig.from_path(folder, dtype="float32"))
+    ours = load_model(read_model_config(folder, dtype="float32"))
     return request.param, ours, theirs
 
 
@@ -235,7 +235,7 @@ def test_unknown_rope_scaling_is_refused_with_the_supported_list(tmp_path: Path)
     config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="'yarn' is not supported; supported: default, linear"):
-        load_model(ModelConfig.from_path(tmp_path, dtype="float32"))
+        load_model(read_model_config(tmp_path, dtype="float32"))
 
 
 # ---- the KV manager alone --------------------------------------------------------------------

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from cenote import LLM, PoolingParams
 from cenote.errors import InvalidInputError, UnsupportedTaskError
-from cenote.models.st_config import SparsePoolingConfig, load_st_config
+from cenote.models.formats.st_config import SparsePoolingConfig, load_st_config
 
 NUM_THREADS = 2
 ATOL = 1e-4  # DESIGN.md §3: vs transformers, fp32

@@ -11,11 +11,12 @@ def test_building_models_does_not_import_dynamo() -> None:
     """nn.Embedding's normal_ on the meta device imported torch._dynamo (1-1.5 s a start)."""
     code = (
         "import sys\n"
-        "from cenote.config import ModelConfig, default_model_path\n"
+        "from cenote.config import default_model_path\n"
+        "from cenote.models.config_reader import read_model_config\n"
         "from cenote.models.gguf_loader import find_smollm2_gguf\n"
         "from cenote.models.loader import load_model\n"
         "for path in (default_model_path(), find_smollm2_gguf()):\n"
-        "    load_model(ModelConfig.from_path(str(path)))\n"
+        "    load_model(read_model_config(str(path)))\n"
         "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

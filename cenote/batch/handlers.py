@@ -19,8 +19,8 @@ from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import UserOutput, outputs_of
 from cenote.engine.params_validator import Params
 from cenote.engine.scoring import ScoreItem, pair_score_inputs, plan_scores
-from cenote.entrypoints.llm import LLM
 from cenote.inputs import PromptType
+from cenote.llm import LLM
 from cenote.outputs import PoolingRequestOutput, RequestOutput
 from cenote.server.protocol import (
     ChatCompletionRequest,

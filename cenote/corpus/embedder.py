@@ -19,7 +19,7 @@ from cenote.server.state import ServerOptions
 
 if TYPE_CHECKING:
     from cenote.engine.input_processor import InputProcessor
-    from cenote.entrypoints.llm import LLM
+    from cenote.llm import LLM
 
 MAX_PASSAGE_CHARS = ServerOptions.max_input_chars  # the server's bound on one text
 CHARS_PER_TOKEN = 32  # a first cut's characters per kept token: real tokens are rarely over 20

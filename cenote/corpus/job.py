@@ -124,7 +124,7 @@ class LocalEmbedParts:
     """Embed parts one after the other with one ``LLM`` in this process."""
 
     def __init__(self, job: EmbedJob) -> None:
-        from cenote.entrypoints.llm import LLM
+        from cenote.llm import LLM
 
         self.job = job
         self.llm = LLM(**job.llm_kwargs())

@@ -14,6 +14,7 @@ import torch
 from cenote.config import EngineConfig
 from cenote.engine.capabilities import ModelCapabilities, ScoreType
 from cenote.engine.heap import release_freed_memory
+from cenote.engine.pooler_builder import build_pooler
 from cenote.kv_cache.manager import (
     KVCacheManager,
     kv_cache_bytes_per_block,
@@ -32,12 +33,11 @@ from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 from cenote.models.registry import get_entry
 from cenote.platform import num_gpu_kv_blocks
-from cenote.pooling.builder import build_pooler
 from cenote.pooling.pooler import DispatchPooler
+from cenote.request import Request, RequestStatus
 from cenote.runner.memory_profile import graph_reserve_bytes, profile_step_peak
 from cenote.runner.model_runner import ModelRunner
 from cenote.scheduler.output import SchedulerOutput
-from cenote.scheduler.request import Request, RequestStatus
 from cenote.scheduler.scheduler import Scheduler
 from cenote.structured.grammar import GrammarCompiler
 from cenote.tasks import PoolingTask, SupportedTask

@@ -20,10 +20,9 @@ from cenote.engine.prompt_tokenizer import PromptTokenizer, TokenizedPrompt
 from cenote.errors import InvalidInputError, InvalidInputTypeError
 from cenote.images.processor import ImageProcessor
 from cenote.images.sources import MediaPolicy, open_image
-from cenote.inputs import PromptType
+from cenote.inputs import PromptType, TextRole
 from cenote.lora.request import LoRARequest
 from cenote.messages import EngineCoreRequest
-from cenote.models.colbert import TextRole
 from cenote.models.tokenizer import load_chat_template
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import INT64_MAX, INT64_MIN, SamplingParams

@@ -14,7 +14,9 @@ from tokenizers import Encoding, Tokenizer
 from cenote.config import ModelConfig
 from cenote.engine.chunking import window_spans
 from cenote.errors import InvalidInputError
-from cenote.models.colbert import TextRole, colbert_prompts
+from cenote.inputs import TextRole
+from cenote.models.interfaces import FormatsPrompts, PromptFormat
+from cenote.models.registry import load_model_class
 
 # the names a sentence-transformers folder gives a role's prompt, first found wins (as
 # sentence-transformers' encode_query / encode_document look them up)
@@ -53,7 +55,7 @@ class PromptTokenizer:
         if st is not None and st.default_prompt_name:
             self.default_prompt = st.prompts.get(st.default_prompt_name, "")
         self.instruction_length = lru_cache(maxsize=64)(self._instruction_length)
-        self.colbert = colbert_prompts(model_config, tokenizer)  # None: not ColBERT
+        self.prompt_format = _prompt_format(model_config, tokenizer)  # None: texts as they are
 
     def instruction(self, prompt_name: str | None, prompt: str | None) -> str:
         """The instruction prompt a pooled text gets, as sentence-transformers' ``encode``
@@ -90,9 +92,9 @@ class PromptTokenizer:
         not None: see ``instruction()``) get the instruction prompt in front and, on a ColBERT
         model, the marker of ``role``."""
         is_pooling = instruction is not None
-        colbert = self.colbert if is_pooling else None
-        if colbert is not None:  # the marker after [CLS] takes one of the tokens
-            limit = colbert.max_length(role) - 1
+        layout = self.prompt_format if is_pooling else None
+        if layout is not None:  # the marker after [CLS] takes one of the tokens
+            limit = layout.max_length(role) - 1
             max_length = limit if max_length is None else min(max_length - 1, limit)
         if instruction is not None:
             texts_in = [instruction + t for t in texts]
@@ -105,8 +107,8 @@ class PromptTokenizer:
         results = []
         for text, (encoding, truncated) in zip(texts, encoded, strict=True):
             ids = list(encoding.ids)
-            if colbert is not None:
-                ids = colbert.format(ids, role)
+            if layout is not None:
+                ids = layout.format(ids, role)
             results.append(TokenizedPrompt(text, ids, None, num_instruction, truncated))
         return results
 
@@ -243,3 +245,12 @@ class PromptTokenizer:
         if length and (encoding.special_tokens_mask[-1] or encoding.ids[-1] in special):
             length -= 1
         return length
+
+
+def _prompt_format(model_config: ModelConfig, tokenizer: Tokenizer) -> PromptFormat | None:
+    """The model class's layout of texts by role (``FormatsPrompts``: ColBERT); None for the
+    models that take texts as they are."""
+    model_class = load_model_class(model_config.architecture)
+    if not issubclass(model_class, FormatsPrompts):
+        return None
+    return model_class.prompt_format(model_config, tokenizer)

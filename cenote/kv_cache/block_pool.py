@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from cenote.kv_cache.hashing import BlockHash
 
 if TYPE_CHECKING:
-    from cenote.scheduler.request import Request
+    from cenote.request import Request
 
 
 @dataclass(eq=False)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cenote.scheduler.request import Request
+    from cenote.request import Request
 
 BlockHash = bytes  # 32-byte SHA-256 digest of (parent hash, token ids, extra keys)
 

@@ -16,7 +16,7 @@ from cenote.kv_cache.hashing import compute_block_hashes
 if TYPE_CHECKING:
     import torch
 
-    from cenote.scheduler.request import Request
+    from cenote.request import Request
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,21 +36,6 @@ _UNUSED_SPECIALS = {
     "pad_token": "<pad>",
     "unk_token": "<unk>",
 }
-
-
-@runtime_checkable
-class LexicalColbertHeads(Protocol):
-    """A trunk with BGE-M3's two extra heads (the pooler's contract)."""
-
-    unused_token_ids: frozenset[int]
-
-    def compute_token_weights(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden_size]`` -> fp32 ``[N]`` lexical weights (ReLU'd)."""
-        ...
-
-    def compute_colbert_vectors(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden_size]`` -> fp32 ``[N, colbert_dim]`` (not normalized)."""
-        ...
 
 
 def _load_head(path: Path, out_features: int | None, hidden_size: int) -> dict[str, torch.Tensor]:

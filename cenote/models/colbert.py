@@ -25,17 +25,17 @@ import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
 
 from cenote.config import ModelConfig
+from cenote.inputs import TextRole
 from cenote.models.bert import BertModel
 from cenote.models.layers.attention import EncoderMaskFn
 from cenote.models.layers.linear import TrunkLinear
 
-TextRole = Literal["query", "document"]
 COLBERT_ARCHITECTURES = ("HF_ColBERT",)
 PYLATE_ARCHITECTURES = ("PyLateBertModel", "PyLateModernBertModel")
 SUPPORTED_SIMILARITY = ("cosine",)
@@ -211,6 +211,13 @@ class ColBERTMarks:
     settings: ColBERTSettings
     tokens: ColBERTTokens
     skiplist: torch.Tensor
+
+    @classmethod
+    def prompt_format(cls, model_config: ModelConfig, tokenizer: Tokenizer) -> ColBERTPrompts:
+        """The query / document formatting of texts (``models/interfaces.py`` ``FormatsPrompts``)."""
+        prompts = colbert_prompts(model_config, tokenizer)
+        assert prompts is not None, f"{model_config.architecture} is not a ColBERT model"
+        return prompts
 
     def _init_marks(self, model_config: ModelConfig) -> None:
         settings = colbert_settings(model_config)

@@ -17,7 +17,11 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from cenote.config import ModelConfig
     from cenote.images.batch import ImageBatch
+    from cenote.inputs import TextRole
     from cenote.models.checkpoint_map import LinearSlot
     from cenote.models.layers.quant import QuantizedWeight
     from cenote.pooling.activation import Activation
@@ -172,4 +176,29 @@ class LoRATarget(Protocol):
     def linear_slot(self, checkpoint_name: str) -> LinearSlot | None:
         """The linear module and output rows that the checkpoint tensor ``checkpoint_name``
         (``<module>.weight``, Hugging Face names) fills, or None where it fills no linear."""
+        ...
+
+
+class PromptFormat(Protocol):
+    """A model's own layout of a tokenized pooled text for its role (ColBERT: the query or
+    document marker after [CLS], queries padded with [MASK])."""
+
+    def max_length(self, role: TextRole) -> int:
+        """Tokens of a formatted text of ``role``, its additions included."""
+        ...
+
+    def format(self, ids: list[int], role: TextRole) -> list[int]:
+        """``ids`` (``[CLS] tokens [SEP]``, cut to fit) laid out as a text of ``role``."""
+        ...
+
+
+@runtime_checkable
+class FormatsPrompts(Protocol):
+    """A model class whose pooled texts are laid out by role. Asked of the class with the
+    model's config and tokenizer, before any weights load: the input processor (the server's
+    front process) has no model instance."""
+
+    @classmethod
+    def prompt_format(cls, model_config: ModelConfig, tokenizer: Tokenizer) -> PromptFormat:
+        """How this model's texts are laid out."""
         ...

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from cenote.errors import UnknownArchitectureError
-from cenote.models.st_config import is_pylate_folder
+from cenote.models.formats.st_config import is_pylate_folder
 from cenote.tasks import SupportedTask
 
 if TYPE_CHECKING:

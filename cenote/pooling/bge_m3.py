@@ -4,15 +4,31 @@ FlagEmbedding's ``BGEM3FlagModel.encode`` (see ``cenote/models/bge_m3.py``)."""
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cenote.models.bge_m3 import LexicalColbertHeads
 from cenote.pooling.interface import WHOLE_PROMPT, PoolingRequirements
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.sparse import keep_top_k
 from cenote.tasks import PoolingTask
+
+
+@runtime_checkable
+class LexicalColbertHeads(Protocol):
+    """A trunk with BGE-M3's two extra heads (the pooler's contract)."""
+
+    unused_token_ids: frozenset[int]
+
+    def compute_token_weights(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size]`` -> fp32 ``[N]`` lexical weights (ReLU'd)."""
+        ...
+
+    def compute_colbert_vectors(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size]`` -> fp32 ``[N, colbert_dim]`` (not normalized)."""
+        ...
 
 
 class LexicalWeightPooler(nn.Module):

@@ -10,9 +10,9 @@ from cenote.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from cenote.kv_cache.block_pool import KVCacheBlock
 from cenote.kv_cache.manager import KVCacheManager
 from cenote.messages import EngineCoreOutput, LogprobsLists
+from cenote.request import FINISH_REASONS, Request, RequestStatus
 from cenote.runner.output import ModelRunnerOutput
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
-from cenote.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from cenote.spec_decode.ngram import NgramProposer
 from cenote.spec_decode.pacing import DraftPacing
 from cenote.structured.grammar import RequestGrammar

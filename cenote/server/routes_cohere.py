@@ -24,9 +24,9 @@ from cenote.inputs import ImagePrompt, PromptType
 from cenote.pooling.quantize import quantize_embeddings
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest
+from cenote.server.pooling import json_response, pool
 from cenote.server.protocol import Int64, PoolingRequest, PositiveCount, _Body
 from cenote.server.responses import CohereEmbedResponse, schema
-from cenote.server.routes_pooling import json_response, pool
 from cenote.server.served_models import get_state
 from cenote.server.state import ServerState, with_cancellation
 

@@ -20,6 +20,7 @@ from cenote.outputs import PoolingRequestOutput
 from cenote.server import timing
 from cenote.server.body import JSONRoute, answer_tei
 from cenote.server.errors import EmptyBatch, WrongModelType
+from cenote.server.pooling import json_response, list_response, pool
 from cenote.server.protocol import (
     ClassificationRequest,
     RerankRequest,
@@ -36,7 +37,6 @@ from cenote.server.responses import (
     schema,
     shared_schema,
 )
-from cenote.server.routes_pooling import json_response, list_response, pool
 from cenote.server.served_models import SCORE_TASK, get_state
 from cenote.server.state import ServerState, new_request_id, with_cancellation
 from cenote.server.tei_protocol import TEIRerankRequest

@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from cenote.outputs import SparseEmbeddingOutput
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest
+from cenote.server.pooling import list_response, pool
 from cenote.server.protocol import EmbeddingRequest, PoolingRequest, PromptInput, _Body
 from cenote.server.responses import schema
-from cenote.server.routes_pooling import list_response, pool
 from cenote.server.served_models import get_state
 from cenote.server.state import ServerState, with_cancellation
 

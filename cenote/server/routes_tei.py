@@ -20,9 +20,9 @@ import cenote
 from cenote.engine.scoring import cosine_scores
 from cenote.server.body import TEIRoute
 from cenote.server.errors import BadRequest, EmptyBatch, WrongModelType
+from cenote.server.pooling import pool
 from cenote.server.protocol import PoolingRequest
 from cenote.server.responses import any_of, tei_schema
-from cenote.server.routes_pooling import pool
 from cenote.server.routes_scoring import tei_rerank
 from cenote.server.routes_sparse import SparseEmbedRequest, embed_sparse
 from cenote.server.served_models import get_state

@@ -9,12 +9,11 @@ import torch
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.models.bge_m3 import LexicalColbertHeads
 from cenote.models.interfaces import CausalLM, MaskedLM, Model, SequenceScorer
 from cenote.models.loader import load_dense_weights
 from cenote.models.registry import ModelEntry
 from cenote.pooling.activation import classifier_activation
-from cenote.pooling.bge_m3 import ColbertVectorPooler, LexicalWeightPooler
+from cenote.pooling.bge_m3 import ColbertVectorPooler, LexicalColbertHeads, LexicalWeightPooler
 from cenote.pooling.heads import DenseProjector, EmbeddingHead
 from cenote.pooling.interface import Pooler
 from cenote.pooling.methods import PoolingMethod, parse_pooling_method

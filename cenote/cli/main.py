@@ -1,5 +1,5 @@
 """``cenote serve [MODEL] ...``: the OpenAI-compatible server (also ``python -m cenote serve``);
-several models with ``--model NAME=PATH`` or ``--config`` (entrypoints/model_specs.py), and
+several models with ``--model NAME=PATH`` or ``--config`` (cli/model_specs.py), and
 models loaded on demand with ``--models-dir`` (server/on_demand.py)."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from cenote.cli import embed, run_batch
+from cenote.cli.model_specs import ModelSpec, model_specs, models_dir_entries
 from cenote.engine.cpu_shares import CoreShare, apply_share, share_cpus_and_slots
 from cenote.engine_args import EngineArgs, HelpFormatter, add_arguments
-from cenote.entrypoints import embed, run_batch
-from cenote.entrypoints.model_specs import ModelSpec, model_specs, models_dir_entries
 from cenote.server.state import ServerOptions
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from cenote.server.state import ServerOptions
 
 if TYPE_CHECKING:
     from cenote.batch.handlers import BatchHandlers, GenerationTask, PoolingTask, Task
-    from cenote.entrypoints.llm import LLM
+    from cenote.llm import LLM
 
     _GroupTask = TypeVar("_GroupTask", PoolingTask, GenerationTask)
     _AnyTask = TypeVar("_AnyTask", bound=Task)
@@ -82,7 +82,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def main(args: argparse.Namespace) -> int:
     from cenote.engine_args import EngineArgs
-    from cenote.entrypoints.llm import LLM
+    from cenote.llm import LLM
 
     if not args.input_file.is_file():
         raise FileNotFoundError(f"cannot read the batch file {args.input_file}: no such file")

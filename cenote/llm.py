@@ -33,9 +33,8 @@ from cenote.engine.scoring import ScoreItem
 from cenote.engine_args import EngineArgs, with_engine_args
 from cenote.errors import InvalidInputError, InvalidInputTypeError
 from cenote.images.sources import MediaPolicy
-from cenote.inputs import ChatPrompt, PromptType
+from cenote.inputs import ChatPrompt, PromptType, TextRole
 from cenote.lora.request import LoRARequest
-from cenote.models.colbert import TextRole
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import (
     ClassificationOutput,
@@ -238,7 +237,7 @@ class LLM:
         (ColBERT models: colbert-ai and PyLate folders): texts are formatted as a "query"
         (query marker, [MASK] expansion to the query length) or a "document" (the default:
         document marker, cut to the document length), as PyLate's ``encode(is_query=...)``."""
-        if role is not None and self.input_processor.prompts.colbert is None:
+        if role is not None and self.input_processor.prompts.prompt_format is None:
             raise InvalidInputError(
                 f"role applies to ColBERT models; {self.config.model.served_model_name} "
                 "formats every text alike"

@@ -25,17 +25,16 @@ from gguf import PoolingType, ReaderTensor
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordPiece
 
-from cenote.models.gguf_file import GGUFFile
-from cenote.models.gguf_loader import (
+from cenote.models.formats.gguf_file import GGUFError, GGUFFile
+from cenote.models.formats.gguf_metadata import (
     CONTROL_TOKEN_TYPE,
-    GGUFError,
     arch_field,
     base_config,
-    dequantize_tensor,
     float32_value,
     read_field,
 )
-from cenote.models.st_config import PoolingMethodName, SentenceTransformerConfig
+from cenote.models.formats.gguf_tensors import dequantize_tensor
+from cenote.models.formats.st_config import PoolingMethodName, SentenceTransformerConfig
 
 PHANTOM_SPACE = "\u2581"  # llama.cpp's word-start marker in WordPiece vocabularies
 

@@ -1,0 +1,1 @@
+"""Checkpoint formats read as data: GGUF files, sentence-transformers metadata, the hub cache."""
