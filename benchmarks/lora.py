@@ -108,9 +108,9 @@ def median_rate(run: Callable[[], None], units: int, runs: int) -> float:
     return statistics.median(rates)
 
 
-# the update's two paths: every adapter in one ``lora_shrink_expand`` call up to
-# ``KERNEL_MAX_ROWS`` rows (the default), or torch matmuls per run (the kernel's row limit at -1)
-PATHS = {"kernel": lora.KERNEL_MAX_ROWS, "torch": -1}
+# the update's two paths: every adapter in one ``lora_shrink_expand`` call for runs up to
+# ``KERNEL_MAX_RUN_ROWS`` (the default), or torch matmuls per run (no dtype with a kernel limit)
+PATHS: dict[str, dict[torch.dtype, int]] = {"kernel": dict(lora.KERNEL_MAX_RUN_ROWS), "torch": {}}
 
 
 def alternating_rates(run: Callable[[], None], units: int, runs: int) -> dict[str, float]:
@@ -120,13 +120,13 @@ def alternating_rates(run: Callable[[], None], units: int, runs: int) -> dict[st
     run()  # warm-up
     try:
         for _ in range(runs):
-            for path, max_rows in PATHS.items():
-                lora.KERNEL_MAX_ROWS = max_rows
+            for path, limits in PATHS.items():
+                lora.KERNEL_MAX_RUN_ROWS = limits
                 start = time.perf_counter()
                 run()
                 rates[path].append(units / (time.perf_counter() - start))
     finally:
-        lora.KERNEL_MAX_ROWS = PATHS["kernel"]
+        lora.KERNEL_MAX_RUN_ROWS = PATHS["kernel"]
     return {path: statistics.median(values) for path, values in rates.items()}
 
 
@@ -268,23 +268,23 @@ def _time_update(
 
 @contextlib.contextmanager
 def torch_path() -> Iterator[None]:
-    """``add_lora`` on torch matmuls per run (the kernel's row limit below any step)."""
-    previous, lora.KERNEL_MAX_ROWS = lora.KERNEL_MAX_ROWS, -1
+    """``add_lora`` on torch matmuls per run (no dtype with a kernel limit)."""
+    previous, lora.KERNEL_MAX_RUN_ROWS = lora.KERNEL_MAX_RUN_ROWS, {}
     try:
         yield
     finally:
-        lora.KERNEL_MAX_ROWS = previous
+        lora.KERNEL_MAX_RUN_ROWS = previous
 
 
 def bench_kernel_rows(args: argparse.Namespace) -> None:
     """``add_lora`` on one SmolLM2 MLP projection (576 -> 1536) at growing row counts, 1 and 4
     adapters, kernel against torch (alternating); where the kernel stops winning sets
-    ``KERNEL_MAX_ROWS``."""
+    ``KERNEL_MAX_RUN_ROWS``."""
     print(f"\nLoRA update, kernel vs torch segments, rank {args.rank}, 576x1536, us/call")
     print(f"{'dtype':>9} {'adapters':>8} {'rows':>6} {'torch':>8} {'kernel':>8} {'ratio':>6}")
     for dtype in (torch.float32, torch.bfloat16):
         for num_adapters in (1, 4):
-            for num_rows in (4, 16, 32, 64, 128, 256, 512):
+            for num_rows in (4, 16, 32, 64, 96, 128, 256, 512):
                 t, k = _time_kernel_rows(args.rank, num_rows, num_adapters, dtype, args)
                 name = str(dtype).removeprefix("torch.")
                 print(
@@ -307,14 +307,14 @@ def _time_kernel_rows(
         with torch_path():
             return run()
 
-    lora.KERNEL_MAX_ROWS = 1 << 30
+    lora.KERNEL_MAX_RUN_ROWS = {dtype: 1 << 30}
     try:
         kernel_us, torch_us = [], []
         for _ in range(3):
             torch_us.append(_microseconds(run_torch, calls))
             kernel_us.append(_microseconds(run, calls))
     finally:
-        lora.KERNEL_MAX_ROWS = PATHS["kernel"]
+        lora.KERNEL_MAX_RUN_ROWS = PATHS["kernel"]
     return statistics.median(torch_us), statistics.median(kernel_us)
 
 
@@ -390,10 +390,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--update-calls", type=int, default=2000)
     parser.add_argument(
-        "--kernel-max-rows",
+        "--kernel-max-run-rows",
         type=int,
-        default=lora.KERNEL_MAX_ROWS,
-        help="the kernel path's row limit in the generation / embedding runs",
+        default=None,
+        help="the kernel path's run limit in the generation / embedding runs (every dtype; "
+        "default: KERNEL_MAX_RUN_ROWS)",
     )
     parser.add_argument(
         "--only",
@@ -402,7 +403,9 @@ def main() -> None:
         default=None,
     )
     args = parser.parse_args()
-    PATHS["kernel"] = lora.KERNEL_MAX_ROWS = args.kernel_max_rows
+    if args.kernel_max_run_rows is not None:
+        limit = args.kernel_max_run_rows
+        PATHS["kernel"] = lora.KERNEL_MAX_RUN_ROWS = {torch.float32: limit, torch.bfloat16: limit}
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     parts = args.only or ["update", "kernel", "crossover", "generation", "embeddings"]
     with tempfile.TemporaryDirectory() as tmp:

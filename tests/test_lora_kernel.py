@@ -15,7 +15,7 @@ import torch
 from cenote.kernels import quant_ops
 from cenote.models.layers import lora
 from cenote.models.layers.lora import (
-    KERNEL_MAX_ROWS,
+    KERNEL_MAX_RUN_ROWS,
     LoRABatch,
     LoRABlock,
     LoRAGroup,
@@ -187,7 +187,9 @@ def test_add_lora_through_the_kernel_equals_its_torch_path(
     assert not torch.equal(fast, base)
 
 
-def test_steps_past_the_row_limit_keep_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runs_past_the_row_limit_keep_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run longer than ``KERNEL_MAX_RUN_ROWS`` (torch measured faster there) takes torch's
+    matmuls; a step as long made of shorter runs takes the kernel."""
     calls: list[int] = []
     real = lora.segmented_update
 
@@ -197,11 +199,14 @@ def test_steps_past_the_row_limit_keep_the_torch_path(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(lora, "segmented_update", counting)
     host, _ = _host_and_batch(torch.float32)
-    rows = KERNEL_MAX_ROWS + 1
-    with lora_context(LoRABatch((LoRAGroup(1, 0, None),))):
+    rows = KERNEL_MAX_RUN_ROWS[torch.float32] + 1
+    one_run = LoRABatch((LoRAGroup(1, 0, None),))
+    with lora_context(one_run):
         x = torch.randn(rows, 64)
         out = host.add_lora(x, torch.zeros(rows, 96))
     assert calls == [rows]
-    assert not real(x, torch.zeros(rows, 96), LoRABatch((LoRAGroup(1, 0, None),)), host.lora_blocks)
+    assert not real(x, torch.zeros(rows, 96), one_run, host.lora_blocks)
     expected = torch.cat([x @ blk.a.T @ blk.b.T for blk in host.lora_blocks[1]], dim=1)
     torch.testing.assert_close(out, expected, **FP32_TOL)
+    two_runs = LoRABatch((LoRAGroup(1, 0, rows // 2), LoRAGroup(3, rows // 2, None)))
+    assert real(x, torch.zeros(rows, 96), two_runs, host.lora_blocks)

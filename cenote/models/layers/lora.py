@@ -8,10 +8,11 @@ Which rows belong to which adapter is the step's ``LoRABatch``, set by the runne
 ``forward_context`` (rows without an adapter get nothing added). The runner orders a step's
 requests by adapter, so each adapter's rows are one contiguous run: its update reads and
 writes slices, with no gather or scatter (measured in docs/performance.md against
-``index_select`` / ``index_add_`` per adapter). A step of at most ``KERNEL_MAX_ROWS`` rows
-(decode) runs every run and block of the layer as one C++ call (``segmented_update``:
-``lora_shrink_expand``, cenote/kernels/csrc/lora.cpp, sums in fp32); longer steps (prefill)
-multiply per run in torch, where on a bf16 CPU model a short run multiplies fp32 copies of
+``index_select`` / ``index_add_`` per adapter). A step whose runs are all at most
+``KERNEL_MAX_RUN_ROWS`` long (decode; prefill of several adapters) runs every run and block of
+the layer as one C++ call (``segmented_update``: ``lora_shrink_expand``,
+cenote/kernels/csrc/lora.cpp, sums in fp32); a step with a longer run multiplies per run in
+torch, where on a bf16 CPU model a short run multiplies fp32 copies of
 the factors, a long one the bf16 ones.
 
 A fused projection (q/k/v, gate/up) is one linear here: an adapter on ``q_proj`` is a block of
@@ -135,11 +136,12 @@ class LoRAHost:
         return out
 
 
-# steps of at most this many rows run every adapter's update as one ``lora_shrink_expand``
-# call (cenote/kernels/csrc/lora.cpp); above it, torch's matmuls per run win (measured in
-# benchmarks/lora.py, docs/performance.md)
-KERNEL_MAX_ROWS = 64
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# the longest run of rows (one adapter's rows in a step) for which one ``lora_shrink_expand``
+# call (cenote/kernels/csrc/lora.cpp) beat torch's matmuls per run, per dtype; a step with a
+# longer run multiplies in torch (benchmarks/lora.py --only kernel, 576x1536, rank 16, AMD
+# EPYC: fp32 1.2-1.7x faster up to runs of 512 rows; bf16 1.1-2.5x up to runs of 96, 0.96x at
+# one run of 128 and 0.62x at 512, where torch multiplies the bf16 factors on oneDNN)
+KERNEL_MAX_RUN_ROWS: dict[torch.dtype, int] = {torch.float32: 512, torch.bfloat16: 96}
 
 
 def segmented_update(
@@ -150,14 +152,18 @@ def segmented_update(
 ) -> bool:
     """Add every adapter's update of ``batch`` to ``out`` in one kernel call; False (nothing
     done) where the kernel does not apply: no kernel build, not on the CPU, another dtype, a
-    strided view, or more than ``KERNEL_MAX_ROWS`` rows. Each segment is one run of rows times
-    one block; the factors are the fp32 copies where a bf16 layer keeps them (the kernel sums
-    in fp32 either way)."""
+    strided view, or a run longer than ``KERNEL_MAX_RUN_ROWS`` (torch is faster there). Each
+    segment is one run of rows times one block; the factors are the fp32 copies where a bf16
+    layer keeps them (the kernel sums in fp32 either way)."""
+    max_run_rows = KERNEL_MAX_RUN_ROWS.get(x.dtype)
+    if max_run_rows is None or x.dim() != 2 or out.dtype != x.dtype:
+        return False
+    if not (x.is_contiguous() and out.is_contiguous()):
+        return False
     num_rows = x.shape[0]
-    if num_rows > KERNEL_MAX_ROWS or x.dim() != 2 or out.dtype != x.dtype:
-        return False
-    if x.dtype not in _KERNEL_DTYPES or not (x.is_contiguous() and out.is_contiguous()):
-        return False
+    for group in batch.groups:
+        if (num_rows if group.end is None else group.end) - group.start > max_run_rows:
+            return False
     ops = quant_ops() if runs_cpu_kernels(x, out) else None
     if ops is None:
         return False
