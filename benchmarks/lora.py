@@ -23,12 +23,13 @@ factors; the base weights are the real ones. Prints the CPU; median of ``--runs`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,6 +42,7 @@ from safetensors.torch import save_file
 from cenote import LLM, LoRARequest, SamplingParams
 from cenote.kernels import cpu_model
 from cenote.models.gguf_loader import find_smollm2_gguf
+from cenote.models.layers import lora
 from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost, lora_context
 
 # SmolLM2-135M: hidden 576, 9 heads of 64, 3 KV heads, MLP 1536, 30 layers
@@ -106,6 +108,28 @@ def median_rate(run: Callable[[], None], units: int, runs: int) -> float:
     return statistics.median(rates)
 
 
+# the update's two paths: every adapter in one ``lora_shrink_expand`` call for runs up to
+# ``KERNEL_MAX_RUN_ROWS`` (the default), or torch matmuls per run (no dtype with a kernel limit)
+PATHS: dict[str, dict[torch.dtype, int]] = {"kernel": dict(lora.KERNEL_MAX_RUN_ROWS), "torch": {}}
+
+
+def alternating_rates(run: Callable[[], None], units: int, runs: int) -> dict[str, float]:
+    """Median rate of ``run`` under each of ``PATHS``, the paths taking turns run by run (so a
+    slow moment of the machine falls on both)."""
+    rates: dict[str, list[float]] = {path: [] for path in PATHS}
+    run()  # warm-up
+    try:
+        for _ in range(runs):
+            for path, limits in PATHS.items():
+                lora.KERNEL_MAX_RUN_ROWS = limits
+                start = time.perf_counter()
+                run()
+                rates[path].append(units / (time.perf_counter() - start))
+    finally:
+        lora.KERNEL_MAX_RUN_ROWS = PATHS["kernel"]
+    return {path: statistics.median(values) for path, values in rates.items()}
+
+
 def bench_generation(root: Path, args: argparse.Namespace) -> None:
     modules = {
         f"model.layers.{layer}.{projection}": shape
@@ -124,16 +148,20 @@ def bench_generation(root: Path, args: argparse.Namespace) -> None:
     prompts = [f"Write a story about a dragon number {i}." for i in range(args.streams)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     base_rate = None
-    print(f"{'adapters':>8} {'tok/s':>8} {'vs base':>8}")
+    print(f"{'adapters':>8} {'path':>7} {'tok/s':>8} {'vs base':>8}")
     for count in (0, 1, 4, 8):
         chosen = [None if count == 0 else requests[i % count] for i in range(args.streams)]
 
         def run(chosen: list[LoRARequest | None] = chosen) -> None:
             llm.generate(prompts, params, lora_request=chosen, use_tqdm=False)
 
-        rate = median_rate(run, args.streams * args.max_tokens, args.runs)
-        base_rate = base_rate or rate
-        print(f"{count:>8} {rate:>8.1f} {rate / base_rate:>7.2f}x")
+        if count == 0:
+            base_rate = median_rate(run, args.streams * args.max_tokens, args.runs)
+            print(f"{count:>8} {'-':>7} {base_rate:>8.1f} {1:>7.2f}x")
+            continue
+        assert base_rate is not None
+        for path, rate in alternating_rates(run, args.streams * args.max_tokens, args.runs).items():
+            print(f"{count:>8} {path:>7} {rate:>8.1f} {rate / base_rate:>7.2f}x")
 
 
 def bench_embeddings(root: Path, args: argparse.Namespace) -> None:
@@ -150,7 +178,7 @@ def bench_embeddings(root: Path, args: argparse.Namespace) -> None:
     chunks = [" ".join(words[(i + j) % len(words)] for j in range(100)) for i in range(args.chunks)]
     print(f"\nembeddings: all-MiniLM-L6-v2, dtype {llm.config.model.dtype}, ", end="")
     print(f"{args.chunks} chunks of ~128 tokens, rank {args.rank}")
-    print(f"{'adapters':>8} {'chunks/s':>8} {'vs base':>8}")
+    print(f"{'adapters':>8} {'path':>7} {'chunks/s':>8} {'vs base':>8}")
     base_rate = None
     for count in (0, 4):
         chosen = [None if count == 0 else requests[i % count] for i in range(args.chunks)]
@@ -158,9 +186,13 @@ def bench_embeddings(root: Path, args: argparse.Namespace) -> None:
         def run(chosen: list[LoRARequest | None] = chosen) -> None:
             llm.embed(chunks, lora_request=chosen, use_tqdm=False)
 
-        rate = median_rate(run, args.chunks, args.runs)
-        base_rate = base_rate or rate
-        print(f"{count:>8} {rate:>8.1f} {rate / base_rate:>7.2f}x")
+        if count == 0:
+            base_rate = median_rate(run, args.chunks, args.runs)
+            print(f"{count:>8} {'-':>7} {base_rate:>8.1f} {1:>7.2f}x")
+            continue
+        assert base_rate is not None
+        for path, rate in alternating_rates(run, args.chunks, args.runs).items():
+            print(f"{count:>8} {path:>7} {rate:>8.1f} {rate / base_rate:>7.2f}x")
 
 
 class _Host(LoRAHost):
@@ -173,11 +205,12 @@ def bench_update(args: argparse.Namespace) -> None:
     streams arrive), on each SmolLM2 shape; microseconds per call."""
     for dtype in (torch.float32, torch.bfloat16):
         print(f"\nLoRA update: 16 rows, 4 adapters, rank {args.rank}, {dtype}, us/call")
-        header = f"{'gather+index_add':>17} {'sorted segments':>16} {'batched bmm':>12}"
+        header = f"{'gather+index_add':>17} {'torch segments':>15} {'batched bmm':>12}"
+        header += f" {'kernel':>8}"
         print(f"{'shape':>12} {header}")
         for fan_in, fan_out in sorted(set(SMOLLM2_SHAPES.values())):
             times = _time_update(fan_in, fan_out, args.rank, args.update_calls, dtype)
-            columns = f"{times[0]:>17.1f} {times[1]:>16.1f} {times[2]:>12.1f}"
+            columns = f"{times[0]:>17.1f} {times[1]:>15.1f} {times[2]:>12.1f} {times[3]:>8.1f}"
             print(f"{f'{fan_in}x{fan_out}':>12} {columns}")
 
 
@@ -213,7 +246,11 @@ def _time_update(
             out.index_add_(0, indices[i], delta)
         return out
 
-    def segments() -> torch.Tensor:  # LoRAHost.add_lora as it runs
+    def segments() -> torch.Tensor:  # LoRAHost.add_lora's torch path: matmuls per run
+        with torch_path(), lora_context(runs):
+            return host.add_lora(x_sorted, base_sorted.clone())
+
+    def kernel() -> torch.Tensor:  # LoRAHost.add_lora as it runs: one lora_shrink_expand
         with lora_context(runs):
             return host.add_lora(x_sorted, base_sorted.clone())
 
@@ -225,7 +262,83 @@ def _time_update(
     tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(segments()[torch.argsort(order)], expected, **tolerance)
     torch.testing.assert_close(batched(), expected, **tolerance)
-    return [_microseconds(fn, calls) for fn in (gather, segments, batched)]
+    torch.testing.assert_close(kernel()[torch.argsort(order)], expected, **tolerance)
+    return [_microseconds(fn, calls) for fn in (gather, segments, batched, kernel)]
+
+
+@contextlib.contextmanager
+def torch_path() -> Iterator[None]:
+    """``add_lora`` on torch matmuls per run (no dtype with a kernel limit)."""
+    previous, lora.KERNEL_MAX_RUN_ROWS = lora.KERNEL_MAX_RUN_ROWS, {}
+    try:
+        yield
+    finally:
+        lora.KERNEL_MAX_RUN_ROWS = previous
+
+
+def bench_kernel_rows(args: argparse.Namespace) -> None:
+    """``add_lora`` on one SmolLM2 MLP projection (576 -> 1536) at growing row counts, 1 and 4
+    adapters, kernel against torch (alternating); where the kernel stops winning sets
+    ``KERNEL_MAX_RUN_ROWS``."""
+    print(f"\nLoRA update, kernel vs torch segments, rank {args.rank}, 576x1536, us/call")
+    print(f"{'dtype':>9} {'adapters':>8} {'rows':>6} {'torch':>8} {'kernel':>8} {'ratio':>6}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for num_adapters in (1, 4):
+            for num_rows in (4, 16, 32, 64, 96, 128, 256, 512):
+                t, k = _time_kernel_rows(args.rank, num_rows, num_adapters, dtype, args)
+                name = str(dtype).removeprefix("torch.")
+                print(
+                    f"{name:>9} {num_adapters:>8} {num_rows:>6} {t:>8.1f} {k:>8.1f} {t / k:>5.2f}x"
+                )
+
+
+def _time_kernel_rows(
+    rank: int, num_rows: int, num_adapters: int, dtype: torch.dtype, args: argparse.Namespace
+) -> tuple[float, float]:
+    """Median microseconds of ``add_lora`` on torch and on the kernel, alternating."""
+    host, batch, x, out = _update_case(576, 1536, rank, num_rows, num_adapters, dtype)
+    calls = max(20, args.update_calls * 16 // num_rows)
+
+    def run() -> torch.Tensor:
+        with lora_context(batch):
+            return host.add_lora(x, out)
+
+    def run_torch() -> torch.Tensor:
+        with torch_path():
+            return run()
+
+    lora.KERNEL_MAX_RUN_ROWS = {dtype: 1 << 30}
+    try:
+        kernel_us, torch_us = [], []
+        for _ in range(3):
+            torch_us.append(_microseconds(run_torch, calls))
+            kernel_us.append(_microseconds(run, calls))
+    finally:
+        lora.KERNEL_MAX_RUN_ROWS = PATHS["kernel"]
+    return statistics.median(torch_us), statistics.median(kernel_us)
+
+
+def _update_case(
+    fan_in: int, fan_out: int, rank: int, num_rows: int, num_adapters: int, dtype: torch.dtype
+) -> tuple[_Host, LoRABatch, torch.Tensor, torch.Tensor]:
+    """A layer carrying ``num_adapters`` adapters (fp32 copies beside bf16 factors, as the
+    manager places them) and a step whose rows are split evenly among them."""
+    host = _Host()
+    bounds = [num_rows * i // num_adapters for i in range(num_adapters + 1)]
+    groups = []
+    for i in range(num_adapters):
+        a = torch.randn(rank, fan_in) * 0.02
+        b = torch.randn(fan_out, rank) * 0.02
+        small = dtype != torch.float32
+        host.lora_blocks[i + 1] = (
+            LoRABlock(
+                a.to(dtype), b.to(dtype), 0, fan_out, a if small else None, b if small else None
+            ),
+        )
+        groups.append(LoRAGroup(i + 1, bounds[i], bounds[i + 1]))
+    x = torch.randn(num_rows, fan_in, dtype=dtype)
+    out = torch.zeros(num_rows, fan_out, dtype=dtype)
+    return host, LoRABatch(tuple(groups)), x, out
 
 
 def bench_crossover(args: argparse.Namespace) -> None:
@@ -277,18 +390,30 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--update-calls", type=int, default=2000)
     parser.add_argument(
+        "--kernel-max-run-rows",
+        type=int,
+        default=None,
+        help="the kernel path's run limit in the generation / embedding runs (every dtype; "
+        "default: KERNEL_MAX_RUN_ROWS)",
+    )
+    parser.add_argument(
         "--only",
-        choices=["generation", "embeddings", "update", "crossover"],
+        choices=["generation", "embeddings", "update", "kernel", "crossover"],
         nargs="+",
         default=None,
     )
     args = parser.parse_args()
+    if args.kernel_max_run_rows is not None:
+        limit = args.kernel_max_run_rows
+        PATHS["kernel"] = lora.KERNEL_MAX_RUN_ROWS = {torch.float32: limit, torch.bfloat16: limit}
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    parts = args.only or ["update", "crossover", "generation", "embeddings"]
+    parts = args.only or ["update", "kernel", "crossover", "generation", "embeddings"]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if "update" in parts:
             bench_update(args)
+        if "kernel" in parts:
+            bench_kernel_rows(args)
         if "crossover" in parts:
             bench_crossover(args)
         if "generation" in parts:

@@ -6,9 +6,9 @@ built with ``CENOTE_KERNEL_ARCH`` in a subprocess (its library registers the sam
 namespace as the native build's) and runs a representative subset of the kernel tests: every
 op family (quantized row kernels for 4 and 8 bits with fp32 and with 8-bit activations,
 dequantize, norms, SiLU-and-mul, rotary, argmax, token bitmask, varlen and paged attention, the
-decode stack) and, for AVX2, SmolLM2's GGUF end to end. The builds live in the suite's own kernel
-cache, so only a run after a kernel source changed pays for them (65-93 s a variant on 2 shared
-cores, 18-22 s once built; docs/performance.md).
+decode stack, the segmented LoRA update) and, for AVX2, SmolLM2's GGUF end to end. The builds
+live in the suite's own kernel cache, so only a run after a kernel source changed pays for them
+(65-93 s a variant on 2 shared cores, 18-22 s once built; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ CHECKS = [
     "test_attention.py::test_paged_kernel_rejects_bad_input",
     "test_decode_stack.py::test_stack_equals_python_loop[int8-float32-llama]",
     "test_decode_stack.py::test_stack_equals_python_loop[none-bfloat16-qwen2_sliding]",
+    "test_lora_kernel.py",
     "test_kernel_variants.py::test_this_build_took_its_own_branches",
 ]
 # AVX2 is what most machines without AVX-512 run: SmolLM2's GGUF end to end as well (5 s)

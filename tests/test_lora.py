@@ -30,6 +30,7 @@ from factories.texts import random_prompts as random_encoder_prompts
 
 from cenote import LoRARequest, PoolingParams, SamplingParams
 from cenote.lora.manager import LoRAManager
+from cenote.models.layers import lora
 from cenote.models.layers.lora import (
     SMALL_RUN_ROWS,
     LoRABatch,
@@ -283,9 +284,11 @@ def test_step_batch_makes_one_run_per_adjacent_adapter_requests() -> None:
     assert manager.step_batch([None, None], [4, 6], [4, 2]) is None
 
 
-def test_small_runs_of_a_bf16_layer_multiply_the_fp32_copies() -> None:
+def test_small_runs_of_a_bf16_layer_multiply_the_fp32_copies(monkeypatch) -> None:
     """On a bf16 CPU model a run of few rows (decode) multiplies the fp32 copies of the factors
-    (faster there, docs/performance.md); a long run (prefill) the bf16 ones."""
+    (faster there, docs/performance.md); a long run (prefill) the bf16 ones. The torch path
+    (the segmented kernel's fallback; the kernel is checked in test_lora_kernel.py)."""
+    monkeypatch.setattr(lora, "segmented_update", lambda *args: False)
 
     class Host(LoRAHost):
         def __init__(self) -> None:

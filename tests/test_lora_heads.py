@@ -29,6 +29,24 @@ BATCH_ATOL = 1e-5  # DESIGN.md §3: batch invariance in fp32
 PROMPTS = [[7, 20, 33, 41, 9], [12, 5, 88], [30, 31, 32, 33, 34, 35, 36, 37, 38], [3, 4]]
 
 
+# per encoder family: adapter -> (LoRA targets, modules_to_save). BERT's head is its tanh
+# pooler + ``classifier``; RoBERTa's and XLM-R's ``classifier`` is dense -> tanh -> out_proj
+ENCODERS = {
+    "bert": {
+        "head": (["query", "value"], ["classifier"]),
+        "pooled": (["intermediate.dense"], ["classifier", "pooler"]),
+    },
+    "roberta": {
+        "head": (["query", "value"], ["classifier"]),
+        "pooled": (["intermediate.dense", "output.dense"], ["classifier"]),
+    },
+    "xlm-roberta": {
+        "head": (["query", "key"], ["classifier"]),
+        "pooled": (["intermediate.dense"], ["classifier"]),
+    },
+}
+
+
 class Classifier:
     """A tiny random sequence classifier (3 labels) and two adapters with their own head:
     ``head`` (LoRA on attention + the classifier) and ``pooled`` (LoRA on the MLP + the
@@ -36,14 +54,12 @@ class Classifier:
 
     def __init__(self, root: Path, family: str) -> None:
         self.root = root
-        if family == "bert":
+        self.family = family
+        if family in ENCODERS:
             self.base = make_encoder_classifier(
-                root / "base", "bert", "ForSequenceClassification", num_labels=3
+                root / "base", family, "ForSequenceClassification", num_labels=3
             )
-            specs = {
-                "head": (["query", "value"], ["classifier"]),
-                "pooled": (["intermediate.dense"], ["classifier", "pooler"]),
-            }
+            specs = ENCODERS[family]
         else:
             self.base = make_pooling_decoder(
                 root / "base", family, "ForSequenceClassification", num_labels=3
@@ -66,7 +82,7 @@ class Classifier:
             return self.references[name](torch.tensor([prompt])).logits[0].float().softmax(-1)
 
 
-@pytest.fixture(scope="module", params=["bert", "llama", "qwen2"])
+@pytest.fixture(scope="module", params=["bert", "roberta", "xlm-roberta", "llama", "qwen2"])
 def classifier(request, tmp_path_factory) -> Classifier:
     return Classifier(tmp_path_factory.mktemp(f"lora_head_{request.param}"), request.param)
 
@@ -100,15 +116,14 @@ def test_batch_mixing_heads_and_base_equals_each_alone(classifier: Classifier) -
 
 def test_head_of_another_label_count_is_refused(classifier: Classifier, tmp_path) -> None:
     """An adapter whose head has 2 labels over a 3-label base names both shapes."""
-    if "Bert" in type(classifier.base).__name__:
+    if classifier.family in ENCODERS:
         other = make_encoder_classifier(
-            tmp_path / "two", "bert", "ForSequenceClassification", num_labels=2
+            tmp_path / "two", classifier.family, "ForSequenceClassification", num_labels=2
         )
         spec = (["query"], ["classifier"])
     else:
-        family = type(classifier.base).__name__.removesuffix("ForSequenceClassification").lower()
         other = make_pooling_decoder(
-            tmp_path / "two", family, "ForSequenceClassification", num_labels=2
+            tmp_path / "two", classifier.family, "ForSequenceClassification", num_labels=2
         )
         spec = (["q_proj"], ["score"])
     write_head_adapter(other, tmp_path / "adapter", 3, spec[0], spec[1], r=4, lora_alpha=8)

@@ -8,7 +8,7 @@ no source includes torch/extension.h, whose pybind11 and torch-python headers to
 compile time per file). Python reaches it as
 
 - ``quant_ops()``: weight-only quantized matmuls, the fused decoder / encoder layer steps,
-  w8a8 linears, the sampler's argmax and the decode stack;
+  w8a8 linears, the sampler's argmax, the decode stack and the segmented LoRA update;
 - ``attention_ops()`` in cenote/models/layers/attention_kernels.py: paged and varlen attention.
 
 Where a build fails (no C++ compiler, ``CENOTE_DISABLE_KERNELS=1``) the caller gets None and falls
@@ -201,6 +201,24 @@ class QuantOps(Protocol):
     ) -> torch.Tensor:
         """w8a8 ``x [M, K] @ w.T + bias`` of bf16 rows quantized per row, then GELU (erf) or
         ``+ residual``, rounded once to bf16 ``[M, N]``."""
+        ...
+
+    def lora_shrink_expand(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        a: list[torch.Tensor],
+        b: list[torch.Tensor],
+        row_starts: list[int],
+        row_ends: list[int],
+        col_starts: list[int],
+        scales: list[float],
+        /,
+    ) -> None:
+        """``out[r0:r1, c0:c0 + n] += scale * (x[r0:r1] @ a.T) @ b.T`` for every segment
+        (``a [rank, K]``, ``b [n, rank]``, rows ``row_starts[s]:row_ends[s]``, first column
+        ``col_starts[s]``), in place, in one call (lora.cpp); ``x`` / ``out`` fp32 or bf16, the
+        factors fp32 or bf16, sums in fp32."""
         ...
 
     def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, /) -> DecodeStack:  # noqa: N802

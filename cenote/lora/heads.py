@@ -1,7 +1,8 @@
 """An adapter's ``modules_to_save``: its own copy of the model's classification head.
 
-PEFT trains a full copy of modules such as ``classifier`` (BERT) or ``score`` (Llama / Qwen
-sequence classifiers) beside the LoRA factors and saves their tensors under the base
+PEFT trains a full copy of modules such as ``classifier`` (BERT's linear; RoBERTa's and
+XLM-R's dense -> tanh -> out_proj, both linears saved) or ``score`` (Llama / Qwen sequence
+classifiers) beside the LoRA factors and saves their tensors under the base
 checkpoint's names. Here they are checked against the model's head (``ReplaceableHead``:
 only the linear layers ``compute_scores`` reads may be replaced, shapes equal to the base's)
 and turned into a score function: the model's own ``compute_scores`` run with those parameters

@@ -94,6 +94,8 @@ class RobertaForSequenceClassification(ScorerDefaults, RobertaModel):
     """RoBERTa / XLM-R trunk + classification head on ``<s>``."""
 
     has_classifier_head = True
+    # ``ReplaceableHead``: an adapter's ``modules_to_save=["classifier"]`` saves both linears
+    head_modules: tuple[str, ...] = ("classifier.dense", "classifier.out_proj")
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)

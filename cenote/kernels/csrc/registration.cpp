@@ -51,6 +51,10 @@ TORCH_LIBRARY(cenote, m) {
       "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int[] starts, "
       "int[] lengths, float scale, bool causal, Tensor? alibi_slopes=None) -> ()");
   m.def("varlen_micro_kernels() -> bool", &bf16_micro_kernels);
+  // out[rows_s, cols_s] += scale_s * (x[rows_s] @ a_s^T) @ b_s^T for every segment s, in place
+  m.def(
+      "lora_shrink_expand(Tensor(a!) out, Tensor x, Tensor[] a, Tensor[] b, int[] row_starts, "
+      "int[] row_ends, int[] col_starts, float[] scales) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cenote, CPU, m) {
@@ -69,4 +73,5 @@ TORCH_LIBRARY_IMPL(cenote, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("paged_attention", &paged_attention);
   m.impl("varlen_attention", &varlen_attention);
+  m.impl("lora_shrink_expand", &lora_shrink_expand);
 }

@@ -8,8 +8,12 @@ Which rows belong to which adapter is the step's ``LoRABatch``, set by the runne
 ``forward_context`` (rows without an adapter get nothing added). The runner orders a step's
 requests by adapter, so each adapter's rows are one contiguous run: its update reads and
 writes slices, with no gather or scatter (measured in docs/performance.md against
-``index_select`` / ``index_add_`` per adapter). On a bf16 CPU model a short run (decode rows)
-multiplies fp32 copies of the factors, a long one (prefill) the bf16 ones.
+``index_select`` / ``index_add_`` per adapter). A step whose runs are all at most
+``KERNEL_MAX_RUN_ROWS`` long (decode; prefill of several adapters) runs every run and block of
+the layer as one C++ call (``segmented_update``: ``lora_shrink_expand``,
+cenote/kernels/csrc/lora.cpp, sums in fp32); a step with a longer run multiplies per run in
+torch, where on a bf16 CPU model a short run multiplies fp32 copies of
+the factors, a long one the bf16 ones.
 
 A fused projection (q/k/v, gate/up) is one linear here: an adapter on ``q_proj`` is a block of
 the layer's output columns, so its ``B`` spans those columns only.
@@ -24,6 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cenote.kernels import quant_ops
+from cenote.platform import runs_cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -105,9 +112,12 @@ class LoRAHost:
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the base product of ``x [rows, in]``, ``[rows, out]``) plus each active
-        adapter's update on its rows, in place."""
+        adapter's update on its rows, in place: one C++ call for the whole step where it
+        measured faster (``segmented_update``), else torch matmuls per run and block."""
         batch = _LORA.get()
         if batch is None or not self.lora_blocks:
+            return out
+        if segmented_update(x, out, batch, self.lora_blocks):
             return out
         for group in batch.groups:
             blocks = self.lora_blocks.get(group.adapter_id)
@@ -124,3 +134,55 @@ class LoRAHost:
                 delta = F.linear(F.linear(inputs, a), b).to(out.dtype)
                 out[group.rows, block.start : block.end].add_(delta)
         return out
+
+
+# the longest run of rows (one adapter's rows in a step) for which one ``lora_shrink_expand``
+# call (cenote/kernels/csrc/lora.cpp) beat torch's matmuls per run, per dtype; a step with a
+# longer run multiplies in torch (benchmarks/lora.py --only kernel, 576x1536, rank 16, AMD
+# EPYC: fp32 1.2-1.7x faster up to runs of 512 rows; bf16 1.1-2.5x up to runs of 96, 0.96x at
+# one run of 128 and 0.62x at 512, where torch multiplies the bf16 factors on oneDNN)
+KERNEL_MAX_RUN_ROWS: dict[torch.dtype, int] = {torch.float32: 512, torch.bfloat16: 96}
+
+
+def segmented_update(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    batch: LoRABatch,
+    lora_blocks: dict[int, tuple[LoRABlock, ...]],
+) -> bool:
+    """Add every adapter's update of ``batch`` to ``out`` in one kernel call; False (nothing
+    done) where the kernel does not apply: no kernel build, not on the CPU, another dtype, a
+    strided view, or a run longer than ``KERNEL_MAX_RUN_ROWS`` (torch is faster there). Each
+    segment is one run of rows times one block; the factors are the fp32 copies where a bf16
+    layer keeps them (the kernel sums in fp32 either way)."""
+    max_run_rows = KERNEL_MAX_RUN_ROWS.get(x.dtype)
+    if max_run_rows is None or x.dim() != 2 or out.dtype != x.dtype:
+        return False
+    if not (x.is_contiguous() and out.is_contiguous()):
+        return False
+    num_rows = x.shape[0]
+    for group in batch.groups:
+        if (num_rows if group.end is None else group.end) - group.start > max_run_rows:
+            return False
+    ops = quant_ops() if runs_cpu_kernels(x, out) else None
+    if ops is None:
+        return False
+    a: list[torch.Tensor] = []
+    b: list[torch.Tensor] = []
+    row_starts: list[int] = []
+    row_ends: list[int] = []
+    col_starts: list[int] = []
+    for group in batch.groups:
+        blocks = lora_blocks.get(group.adapter_id)
+        if blocks is None:
+            continue
+        end = num_rows if group.end is None else group.end
+        for block in blocks:
+            a.append(block.a if block.a_small is None else block.a_small)
+            b.append(block.b if block.b_small is None else block.b_small)
+            row_starts.append(group.start)
+            row_ends.append(end)
+            col_starts.append(block.start)
+    if a:
+        ops.lora_shrink_expand(out, x, a, b, row_starts, row_ends, col_starts, [1.0] * len(a))
+    return True

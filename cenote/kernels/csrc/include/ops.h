@@ -50,3 +50,7 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       at::Tensor& out, c10::IntArrayRef starts, c10::IntArrayRef lengths,
                       double scale, bool causal, const std::optional<at::Tensor>& alibi_slopes);
 bool bf16_micro_kernels();
+// lora.cpp: every adapter's low-rank update of one linear layer, per segment of rows
+void lora_shrink_expand(at::Tensor out, const at::Tensor& x, at::TensorList a, at::TensorList b,
+                        c10::IntArrayRef row_starts, c10::IntArrayRef row_ends,
+                        c10::IntArrayRef col_starts, c10::ArrayRef<double> scales);
