@@ -173,3 +173,11 @@ class LoRATarget(Protocol):
         """The linear module and output rows that the checkpoint tensor ``checkpoint_name``
         (``<module>.weight``, Hugging Face names) fills, or None where it fills no linear."""
         ...
+
+
+@runtime_checkable
+class TaskAdapterModel(Protocol):
+    """A model whose checkpoint carries one LoRA adapter per task (Jina v3), placed in its
+    layers at load (cenote/lora/tasks.py): a request's ``lora_task`` runs under one."""
+
+    task_adapter_ids: dict[str, int]  # task name -> its adapter id
