@@ -122,3 +122,67 @@ def test_unknown_task_is_refused_naming_the_tasks(jina) -> None:
     message = str(error.value)
     assert "'retrieval.document'" in message and all(t in message for t in TASKS)
     assert llm.embed(["the cat"], PoolingParams(lora_task=TASKS[0]), use_tqdm=False)  # alive
+
+
+SERVER_ATOL = 1e-5  # the same engine in both processes, fp32
+
+
+@pytest.fixture(scope="module")
+def client(jina):
+    import httpx
+    from server_fixture import ServerProcess
+
+    folder, _ = jina
+    server = ServerProcess(str(folder), "--dtype", "float32", "--num-threads", "1")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            yield client
+    finally:
+        server.stop()
+
+
+def test_server_task_field_selects_the_adapter(client, jina) -> None:
+    """``/v1/embeddings`` with Jina's ``task`` (and ``/pooling`` with ``lora_task``) equal the
+    offline engine under that task."""
+    _, llm = jina
+    texts = TEXTS[:3]
+    for task in ("retrieval.query", "retrieval.passage"):
+        expected = [o.outputs.embedding for o in llm.embed(texts, PoolingParams(lora_task=task))]
+        body = {"input": texts, "task": task}
+        response = client.post("/v1/embeddings", json=body)
+        assert response.status_code == 200, response.text
+        got = [item["embedding"] for item in response.json()["data"]]
+        torch.testing.assert_close(
+            torch.tensor(got), torch.tensor(expected), atol=SERVER_ATOL, rtol=0
+        )
+        pooled = client.post("/pooling", json={"input": texts, "task": "embed", "lora_task": task})
+        assert pooled.status_code == 200, pooled.text
+        got = [item["data"] for item in pooled.json()["data"]]
+        torch.testing.assert_close(
+            torch.tensor(got), torch.tensor(expected), atol=SERVER_ATOL, rtol=0
+        )
+
+
+def test_server_unknown_task_is_a_400_naming_the_tasks(client) -> None:
+    response = client.post("/v1/embeddings", json={"input": "the cat", "task": "retrieval"})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "'retrieval'" in message and all(t in message for t in TASKS)
+    conflict = {"input": "the cat", "task": TASKS[0], "lora_task": TASKS[1]}
+    assert client.post("/v1/embeddings", json=conflict).status_code == 400
+    ok = client.post("/v1/embeddings", json={"input": "the cat", "task": TASKS[2]})
+    assert ok.status_code == 200, ok.text  # the engine is alive
+    assert client.get("/health").status_code == 200
+
+
+def test_model_without_task_adapters_refuses_a_task(default_server) -> None:
+    """A plain text-embedding model (all-MiniLM-L6-v2) given a task: a 400 saying it has no
+    per-task adapters, and the server goes on."""
+    import httpx
+
+    url = f"{default_server.url}/v1/embeddings"
+    response = httpx.post(url, json={"input": "hello", "task": "retrieval.query"}, timeout=60)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "retrieval.query" in message and "has none" in message
+    assert httpx.post(url, json={"input": "hello"}, timeout=60).status_code == 200
