@@ -186,3 +186,20 @@ def test_model_without_task_adapters_refuses_a_task(default_server) -> None:
     message = response.json()["error"]["message"]
     assert "retrieval.query" in message and "has none" in message
     assert httpx.post(url, json={"input": "hello"}, timeout=60).status_code == 200
+
+
+def test_factors_that_do_not_fit_are_refused_at_load(jina, tmp_path: Path) -> None:
+    """A task factor of the wrong shape (another base's adapter) names the module and shapes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = jina
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    state = load_file(broken / "model.safetensors")
+    name = "roberta.encoder.layers.1.mlp.fc2.parametrizations.weight.0.lora_B"
+    state[name] = state[name][:, :-1].contiguous()  # [tasks, out - 1, r]
+    save_file(state, broken / "model.safetensors")
+    with pytest.raises(ValueError, match=r"encoder\.layers\.1\.mlp\.fc2 lora_A .* do not fit"):
+        LLM(str(broken), dtype="float32", num_threads=NUM_THREADS)

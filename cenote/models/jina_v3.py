@@ -41,7 +41,7 @@ from cenote.models.checkpoint_map import CheckpointMap, LinearSlot, Slot, linear
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import GELU_APPROXIMATE, TrunkLinear, linear_add_norm, linear_gelu
-from cenote.models.layers.lora import LoRABlock, active_lora_batch
+from cenote.models.layers.lora import LoRABlock, LoRAHost, active_lora_batch
 from cenote.models.layers.norm import LayerNorm
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -68,6 +68,13 @@ def check_variant(config: dict[str, Any]) -> None:
         )
     if config.get("rotary_emb_interleaved", False):
         raise ValueError("Jina v3 rotary_emb_interleaved=true is not supported; supported: false")
+
+
+def _linear_shape(module: nn.Module) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a dense or quantized linear layer."""
+    rows, cols = module.out_features, module.in_features
+    assert isinstance(rows, int) and isinstance(cols, int)
+    return rows, cols
 
 
 class JinaV3Layer(nn.Module):
@@ -179,6 +186,11 @@ class XLMRobertaLoRA(nn.Module):
         weight = self.word_embeddings.weight
         dtype, device = weight.dtype, weight.device
         small = device.type == "cpu" and dtype != torch.float32  # fp32 copies for short runs
+        if self.task_adapter_ids and not self._task_factors:
+            raise ValueError(
+                f"Jina v3: config.json lists {len(self.task_adapter_ids)} lora_adaptations "
+                "but the checkpoint has no parametrizations.weight.0.lora_A / lora_B tensors"
+            )
         for module_name, factors in self._task_factors.items():
             a, b = factors.get("lora_A"), factors.get("lora_B")
             if a is None or b is None:
@@ -186,14 +198,14 @@ class XLMRobertaLoRA(nn.Module):
             self._check_factors(module_name, a, b)
             target = self._module_of(module_name)
             for index, adapter_id in enumerate(self.task_adapter_ids.values()):
-                if isinstance(target, TrunkLinear):  # a [t] [r, in], b [t] [out, r]
+                if isinstance(target, LoRAHost):  # a [t] [r, in], b [t] [out, r]
                     a_t, b_t = a[index], b[index] * self.lora_scaling
                     target.lora_blocks[adapter_id] = (
                         LoRABlock(
                             a_t.to(device, dtype).contiguous(),
                             b_t.to(device, dtype).contiguous(),
                             0,
-                            target.out_features,
+                            b_t.shape[0],
                             a_t.to(device).contiguous() if small else None,
                             b_t.to(device).contiguous() if small else None,
                         ),
@@ -218,13 +230,12 @@ class XLMRobertaLoRA(nn.Module):
     def _check_factors(self, module_name: str, a: Tensor, b: Tensor) -> None:
         target = self._module_of(module_name)
         tasks = len(self.task_adapter_ids)
-        if isinstance(target, TrunkLinear):
-            rows, cols = target.out_features, target.in_features
-            expected = ((tasks, a.shape[1], cols), (tasks, rows, a.shape[1]))
-        else:
-            assert isinstance(target, Embedding)
+        if isinstance(target, nn.Embedding):
             rows, cols = target.weight.shape
             expected = ((tasks, rows, a.shape[2]), (tasks, a.shape[2], cols))
+        else:  # a linear, dense or quantized (--quantization int8 / int4)
+            rows, cols = _linear_shape(target)
+            expected = ((tasks, a.shape[1], cols), (tasks, rows, a.shape[1]))
         if (tuple(a.shape), tuple(b.shape)) != expected:
             raise ValueError(
                 f"Jina v3 checkpoint: {module_name} lora_A {tuple(a.shape)} / lora_B "
@@ -240,9 +251,9 @@ class XLMRobertaLoRA(nn.Module):
         if slot is None or not slot.param.endswith(".weight"):
             return None
         module = self.get_submodule(slot.param.removesuffix(".weight"))
-        if not isinstance(module, TrunkLinear):
+        if not isinstance(module, LoRAHost) or not isinstance(module, nn.Module):
             return None
-        return LinearSlot(slot.param.removesuffix(".weight"), 0, module.out_features)
+        return LinearSlot(slot.param.removesuffix(".weight"), 0, _linear_shape(module)[0])
 
     # ---- forward ----------------------------------------------------------------------------
 
