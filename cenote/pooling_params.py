@@ -41,6 +41,9 @@ class PoolingParams:
     # one embedding ("chunk", cenote.engine.chunking) with chunk_overlap tokens shared
     long_input: Literal["error", "chunk"] = "error"
     chunk_overlap: int = 0
+    # Jina v3: the checkpoint's per-task LoRA adapter to run under ("retrieval.query", ...; the
+    # ``task`` of its encode() and of Jina's API); its instruction is the default prompt
+    lora_task: str | None = None
     # leading tokens that are the model's instruction prompt (set by the input processor);
     # a sentence-transformers Pooling with include_prompt=false leaves them out
     instruction_length: int = 0
@@ -68,7 +71,7 @@ class PoolingParams:
             raise InvalidInputError(
                 f"max_active_dims must be a positive integer, got {self.max_active_dims!r}"
             )
-        for name in ("prompt_name", "prompt"):
+        for name in ("prompt_name", "prompt", "lora_task"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidInputError(f"{name} must be a string, got {type(value).__name__}")

@@ -39,6 +39,7 @@ PARAMS_VARIANTS = {
     "returned_token_ids": [1, 2],
     "max_active_dims": 3,
     "instruction_length": 2,
+    "lora_task": "retrieval.query",  # also in the key as its adapter (lora_request)
 }
 REQUEST_VARIANTS = {
     "prompt_token_ids": [101, 7, 102],

@@ -22,6 +22,7 @@ from cenote.images.processor import ImageProcessor
 from cenote.images.sources import MediaPolicy, open_image
 from cenote.inputs import PromptType, TextRole
 from cenote.lora.request import LoRARequest
+from cenote.lora.tasks import task_instruction, task_lora_request
 from cenote.messages import EngineCoreRequest
 from cenote.models.tokenizer import load_chat_template
 from cenote.pooling_params import PoolingParams
@@ -126,9 +127,14 @@ class InputProcessor:
         num = len(prompts)
         indices = list(indices) if indices is not None else list(range(num))
         params_list = per_prompt(params, num)
-        # 1) params: the task is served, the options fit this model
+        # 1) params: the task is served, the options fit this model; a per-task adapter
+        # (Jina v3's ``lora_task``) exists and brings its instruction
         for p in {id(p): p for p in params_list}.values():
             self.validator.check(p)
+        adapters = per_prompt_adapters(lora_request, num)
+        for i, p in enumerate(params_list):
+            if isinstance(p, PoolingParams) and p.lora_task is not None:
+                params_list[i], adapters[i] = self._task_adapter(p, adapters[i])
         if not INT64_MIN <= priority <= INT64_MAX:
             raise InvalidInputError(f"priority must be a 64-bit signed integer, got {priority}")
         # 2) prompts -> token ids
@@ -159,7 +165,7 @@ class InputProcessor:
             )
         ]
         # 5) the adapter each runs under (the core loads it, or refuses the request)
-        for parent, adapter in zip(parents, per_prompt_adapters(lora_request, num), strict=True):
+        for parent, adapter in zip(parents, adapters, strict=True):
             assign_adapter([parent], adapter)
         return parents
 
@@ -192,6 +198,25 @@ class InputProcessor:
             ]
             for i, ws in enumerate(windows)
         ]
+
+    def _task_adapter(
+        self, params: PoolingParams, adapter: LoRARequest | None
+    ) -> tuple[PoolingParams, LoRARequest]:
+        """The adapter of ``params.lora_task``, and the params with the task's instruction as
+        their prompt when they name none (the remote code's ``encode(task=)`` puts it before
+        every text; sentence-transformers with ``prompt_name=task``)."""
+        assert params.lora_task is not None
+        if adapter is not None:
+            raise InvalidInputError(
+                f"task {params.lora_task!r} selects the model's own adapter; it cannot run "
+                f"under adapter {adapter.lora_name!r} too",
+                param="task",
+            )
+        task_adapter = task_lora_request(self.model_config, params.lora_task)
+        if params.prompt is None and params.prompt_name is None:
+            instruction = task_instruction(self.model_config, params.lora_task)
+            params = dataclasses.replace(params, prompt=instruction)
+        return params, task_adapter
 
     def check_task(self, task: str) -> None:
         """``UnsupportedTaskError`` unless the model serves ``task``."""

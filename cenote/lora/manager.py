@@ -23,7 +23,8 @@ from torch import nn
 from cenote.lora.adapter import LoRAAdapter, read_adapter
 from cenote.lora.heads import head_score, head_tensors
 from cenote.lora.request import LoRARequest
-from cenote.models.interfaces import LoRATarget
+from cenote.lora.tasks import is_task_adapter
+from cenote.models.interfaces import LoRATarget, TaskAdapterModel
 from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost
 from cenote.models.registry import load_model_class
 from cenote.pooling.metadata import ScoreFn
@@ -68,6 +69,9 @@ class LoRAManager:
     def activate(self, request: LoRARequest, held: Collection[int] = ()) -> None:
         """Make ``request``'s adapter resident (a no-op when it is); ``held`` are the ids that
         requests in the engine run under (never evicted). ValueError names what is wrong."""
+        if is_task_adapter(request.lora_int_id):
+            self._check_task_adapter(request)
+            return
         entry = self._resident.get(request.lora_int_id)
         if entry is not None:
             if entry[0] != request:
@@ -95,6 +99,16 @@ class LoRAManager:
         if heads:
             self._heads[request.lora_int_id] = head_score(self.model, heads)
         self._resident[request.lora_int_id] = (request, hosts)
+
+    def _check_task_adapter(self, request: LoRARequest) -> None:
+        """A checkpoint's own task adapter (``lora/tasks.py``): placed by the model at load,
+        always resident; ValueError when this model has no such task."""
+        tasks = self.model.task_adapter_ids if isinstance(self.model, TaskAdapterModel) else {}
+        if tasks.get(request.lora_name) != request.lora_int_id:
+            raise ValueError(
+                f"{type(self.model).__name__} has no task adapter {request.lora_name!r} "
+                f"(id {request.lora_int_id}); its tasks: {', '.join(tasks) or 'none'}"
+            )
 
     def head_score(self, lora_int_id: int | None) -> ScoreFn | None:
         """The classification head of a resident adapter that saved one (``modules_to_save``);

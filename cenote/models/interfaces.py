@@ -202,3 +202,11 @@ class FormatsPrompts(Protocol):
     def prompt_format(cls, model_config: ModelConfig, tokenizer: Tokenizer) -> PromptFormat:
         """How this model's texts are laid out."""
         ...
+
+
+@runtime_checkable
+class TaskAdapterModel(Protocol):
+    """A model whose checkpoint carries one LoRA adapter per task (Jina v3), placed in its
+    layers at load (cenote/lora/tasks.py): a request's ``lora_task`` runs under one."""
+
+    task_adapter_ids: dict[str, int]  # task name -> its adapter id

@@ -49,6 +49,8 @@ _TABLES: dict[tuple[bool, tuple[SupportedTask, ...]], dict[str, tuple[str, str]]
         # jina-embeddings-v2: the Hub's config.json names the masked LM (its head is not loaded)
         "JinaBertModel": ("jina_bert", "JinaBertModel"),
         "JinaBertForMaskedLM": ("jina_bert", "JinaBertModel"),
+        # jina-embeddings-v3: XLM-R with rotary positions and per-task LoRA adapters
+        "XLMRobertaLoRA": ("jina_v3", "XLMRobertaLoRA"),
         # EmbeddingGemma: the Gemma 3 trunk as a (bidirectional) encoder
         "Gemma3TextModel": ("gemma3", "Gemma3TextModel"),
     },

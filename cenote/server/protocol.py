@@ -209,8 +209,15 @@ class _PoolingBody(_ChatInput):
     # embedding); None: the server's --long-input
     long_input: Literal["error", "chunk"] | None = None
     chunk_overlap: Count | None = None  # tokens shared by neighbouring windows
+    # Jina v3: the checkpoint's per-task LoRA adapter ("retrieval.query", ...); /v1/embeddings
+    # also takes it as ``task``, as Jina's API names it
+    lora_task: str | None = None
     priority: Int64 = 0
     request_id: str | None = None
+
+    def adapter_task(self) -> str | None:
+        """The per-task adapter asked for (``lora_task``)."""
+        return self.lora_task
 
     def prompts(self) -> list[PromptType]:
         """The prompts of ``input``, or one prompt of ``messages``: an image when they hold an
@@ -249,11 +256,24 @@ class _PoolingBody(_ChatInput):
             prompt=self.prompt,
             long_input=chunk,
             chunk_overlap=chunk_overlap if self.chunk_overlap is None else self.chunk_overlap,
+            lora_task=self.adapter_task(),
         )
 
 
 class EmbeddingRequest(_PoolingBody):
     """POST /v1/embeddings."""
+
+    # Jina's API (jina-embeddings-v3): the per-task adapter, as ``lora_task``
+    task: str | None = None
+
+    def adapter_task(self) -> str | None:
+        if self.task is not None and self.lora_task is not None and self.task != self.lora_task:
+            raise InvalidInputError(
+                f"task {self.task!r} and lora_task {self.lora_task!r} name different "
+                "adapters; pass one",
+                param="task",
+            )
+        return self.task if self.task is not None else self.lora_task
 
     # cenote extension: sparse (SPLADE) models answer {"indices": [...], "values": [...]}
     sparse: bool = False
