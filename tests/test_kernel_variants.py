@@ -129,12 +129,14 @@ def test_an_arch_the_cpu_lacks_falls_back_with_a_log_line(
 ) -> None:
     """Kernels for instructions this CPU does not have would die on the first call: the build
     is refused, with the missing features named, and plain torch runs."""
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"sse2", "avx"})
-    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kernels.build, "_cpu_flags", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(kernels.build.platform, "machine", lambda: "x86_64")
     monkeypatch.setenv("CENOTE_KERNEL_ARCH", "x86-64-v3")
-    with caplog.at_level(logging.WARNING, logger="cenote.kernels"):
+    with caplog.at_level(logging.WARNING, logger="cenote.kernels.build"):
         built = build_or_none(
-            lambda: kernels.build_extension("probe", [], python_module=False), "probe", "torch"
+            lambda: kernels.build.build_extension("probe", [], python_module=False),
+            "probe",
+            "torch",
         )
     assert built is None
     assert "needs CPU features this CPU lacks: avx2, fma, f16c, bmi2, movbe" in caplog.text
@@ -147,7 +149,7 @@ def test_variants_have_their_own_cache_folders(monkeypatch: pytest.MonkeyPatch) 
     names = {arch: extension_name("k", sources, [], arch, "2.0") for arch in KERNEL_ARCHES}
     assert len(set(names.values())) == len(KERNEL_ARCHES)
     assert names["x86-64-v3"].startswith("k_x86_64_v3_") and names["native"].startswith("k_")
-    monkeypatch.setattr(kernels, "cpu_identity", lambda: "model name: another CPU")
+    monkeypatch.setattr(kernels.build, "cpu_identity", lambda: "model name: another CPU")
     assert extension_name("k", sources, [], "x86-64", "2.0") == names["x86-64"]
     assert extension_name("k", sources, [], "native", "2.0") != names["native"]
 

@@ -19,9 +19,8 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.forward_context import get_attention_metadata
-from cenote.kernels import DecodeStack, QuantOps, quant_ops
+from cenote.kernels import DecodeStack, ops
 from cenote.models.decoder_base import FUSED, DecoderBase, map_name
-from cenote.models.layers.attention_kernels import attention_ops
 from cenote.models.layers.attention_plan import paged_plan
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
 from cenote.models.layers.embedding import Embedding
@@ -31,7 +30,6 @@ from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.quant import QuantEmbedding, QuantizedWeight, QuantLinear
 from cenote.models.layers.rotary import RotaryEmbedding
 from cenote.models.sliding_window import layer_windows
-from cenote.platform import runs_cpu_kernels
 from cenote.pooling.activation import Activation
 from cenote.pooling.methods import PoolingMethod
 
@@ -104,9 +102,8 @@ class LlamaModel(nn.Module):
         # [num_tokens, head_dim] each: computed in fp32, cast once to the activation dtype (as
         # transformers casts them before rotating)
         cos, sin = (t.to(x.dtype) for t in self.rotary.cos_sin(positions))
-        ops = quant_ops() if runs_cpu_kernels(x) else None
-        if ops is not None and x.dtype in (torch.float32, torch.bfloat16) and self._fusable():
-            return self._forward_fused(ops, x, cos, sin)
+        if self._fusable():
+            return self._forward_fused(x, cos, sin)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)
@@ -124,7 +121,7 @@ class LlamaModel(nn.Module):
         return self._all_fusable
 
     def _forward_fused(
-        self, ops: QuantOps, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """The same layers with their elementwise steps fused (cenote/kernels/fused_ops.cpp):
         each residual add is fused with the norm after it, across layer boundaries, and RoPE
@@ -134,7 +131,7 @@ class LlamaModel(nn.Module):
         first = self.layers[0].input_layernorm
         assert isinstance(first, RMSNorm)
         ops.add_rms_norm_(hidden, None, first.weight, first.eps)
-        decoded = self._decode_step(ops, residual, hidden, cos, sin)
+        decoded = self._decode_step(residual, hidden, cos, sin)
         if decoded is not None:
             return decoded
         for i, layer in enumerate(self.layers):
@@ -164,7 +161,6 @@ class LlamaModel(nn.Module):
 
     def _decode_step(
         self,
-        ops: QuantOps,
         residual: torch.Tensor,
         hidden: torch.Tensor,
         cos: torch.Tensor,
@@ -174,12 +170,12 @@ class LlamaModel(nn.Module):
         decode_stack.cpp, bit-identical) when every row is one new token of its request and
         every projection has a weight the stack multiplies at this many rows, and no row has a
         LoRA adapter (the stack reads the base weights only); else None."""
-        if active_lora_batch() is not None:
-            return None
+        if active_lora_batch() is not None or hidden.device.type != "cpu":
+            return None  # the stack reads the base weights only, through host pointers
         metadata = get_attention_metadata()
         if metadata.kv_caches is None or metadata.slot_mapping is None:
             return None
-        stack = self._stack(ops)
+        stack = self._stack()
         if stack is None or hidden.shape[0] > self._stack_max_rows:
             return None
         plans = [paged_plan(metadata, window) for window in self.windows]
@@ -204,15 +200,13 @@ class LlamaModel(nn.Module):
             ends,
         )
 
-    def _stack(self, ops: QuantOps) -> DecodeStack | None:
+    def _stack(self) -> DecodeStack | None:
         """The layers as a ``DecodeStack``, built on first use (the weights are final by then),
         or None where a layer does not fit it (a dense or split projection, attention kernels
         unavailable, a softcap)."""
         if self._decode_stack is not False:
             return self._decode_stack
         self._decode_stack = None
-        if attention_ops() is None:
-            return None
         layers = [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
         modules: list[nn.Module] = [
             module
@@ -230,7 +224,9 @@ class LlamaModel(nn.Module):
         if any(layer.self_attn.attn.softcap is not None for layer in layers):
             return None
         first = layers[0].self_attn
-        stack = ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim)
+        stack = ops.decode_stack(first.num_heads, first.num_kv_heads, first.head_dim)
+        if stack is None:
+            return None
         for i, layer in enumerate(layers):
             for spec in specs[4 * i : 4 * i + 4]:  # qkv, o, gate_up, down
                 assert spec is not None
