@@ -6,9 +6,10 @@ built with ``CENOTE_KERNEL_ARCH`` in a subprocess (its library registers the sam
 namespace as the native build's) and runs a representative subset of the kernel tests: every
 op family (quantized row kernels for 4 and 8 bits with fp32 and with 8-bit activations,
 dequantize, norms, SiLU-and-mul, rotary, argmax, token bitmask, varlen and paged attention, the
-decode stack) and, for AVX2, SmolLM2's GGUF end to end. The builds live in the suite's own kernel
-cache, so only a run after a kernel source changed pays for them (65-93 s a variant on 2 shared
-cores, 18-22 s once built; docs/performance.md).
+decode stack, each op's torch fallback against its kernel) and, for AVX2, SmolLM2's GGUF end
+to end. The builds live in the suite's own kernel cache, so only a run after a kernel source
+changed pays for them (65-93 s a variant on 2 shared cores, 18-22 s once built;
+docs/performance.md).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 from cenote import kernels
 from cenote.kernels import (
     KERNEL_ARCHES,
+    attention_ops,
     build_or_none,
     extension_name,
     kernel_arch,
@@ -46,6 +48,7 @@ CHECKS = [
     "test_quant.py::test_bad_kernel_arguments_raise_clearly",
     "test_quant_q8.py",
     "test_fused_ops.py",
+    "test_kernel_ops.py",
     "test_attention.py::test_varlen_kernel_bf16_head_sizes",
     "test_attention.py::test_varlen_kernel_runs_micro_kernels_where_bf16_is_native",
     "test_attention.py::test_varlen_kernel_bf16_peaked_scores",
@@ -109,8 +112,6 @@ def test_this_build_took_its_own_branches() -> None:
     arch = kernel_arch()
     if arch == "native":
         pytest.skip("runs inside a variant's subprocess (test_variant_passes_the_kernel_tests)")
-    from cenote.models.layers.attention_kernels import attention_ops
-
     ops = quant_ops()
     assert ops is not None, "the kernel library did not build for " + arch
     assert attention_ops() is not None, "the attention ops are missing from the " + arch + " build"

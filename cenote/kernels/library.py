@@ -168,7 +168,8 @@ class QuantOps(Protocol):
 
 class DecodeStack(Protocol):
     """A llama-family decoder's layers with quantized weights, run as one C++ loop for decode
-    steps (decode_stack.cpp): the ops of ``LlamaModel._forward_fused`` in the same order."""
+    steps (decode_stack.cpp): the ops of the model's layer loop (``LlamaModel.forward``) in
+    the same order; built by cenote/runner/decode_stack.py."""
 
     def add_linear(
         self,

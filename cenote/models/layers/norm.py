@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import nn
 
@@ -10,19 +12,33 @@ from cenote.kernels import ops
 
 
 class RMSNorm(nn.Module):
-    """``forward(x [..., dim]) -> [..., dim]`` in ``x``'s dtype; the statistics are fp32."""
+    """``forward(x [..., dim]) -> [..., dim]``: a new tensor in ``x``'s dtype (statistics in
+    fp32, cast, then scaled, as Hugging Face Llama). ``forward(x, residual)`` is the pre-norm
+    block's fused step: ``residual += x``, then ``x`` = the norm of the sum, both in place (``x``
+    must be the caller's temporary); returns ``(x, residual)``. Both run ``ops.add_rms_norm_``."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(input_dtype)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        out = x.reshape(-1, x.shape[-1]).clone(memory_format=torch.contiguous_format)
+        ops.add_rms_norm_(out, None, self.weight, self.eps)  # [rows, dim]
+        return out.view(x.shape)
 
 
 class GemmaRMSNorm(nn.Module):
