@@ -32,9 +32,9 @@ from embed_offline import make_corpus
 from torch.utils.benchmark import Timer
 
 from cenote.forward_context import AttentionMetadata, forward_context
-from cenote.models.layers import attention as attention_module
+from cenote.kernels import attention_ops
+from cenote.kernels.ops import use_torch
 from cenote.models.layers.attention import Attention, kv_cache_shape
-from cenote.models.layers.attention_kernels import attention_ops
 
 ENCODER = dict(heads=12, dim=32, layers=6, budget=8192, truncate=256)  # all-MiniLM-L6-v2
 DECODER = dict(heads=9, kv_heads=3, dim=64, layers=30, block_size=16)  # SmolLM2-135M
@@ -210,13 +210,9 @@ def bench_decode(
     kernel_ms = median_ms(kernel, min_run_time)
     new_ms = median_ms(step, min_run_time)
     new = step()
-    original = attention_module.attention_ops
-    attention_module.attention_ops = lambda: None
-    try:
+    with use_torch():
         old_ms = median_ms(step, min_run_time)
         old = step()
-    finally:
-        attention_module.attention_ops = original
     diff = float((old.float() - new.float()).abs().max())
     name = str(dtype).removeprefix("torch.")
     return [name, streams, context, old_ms, new_ms, old_ms / new_ms, kernel_ms, diff]

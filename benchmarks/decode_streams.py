@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from cenote import LLM, SamplingParams
 from cenote.kernels import cpu_features, cpu_model
 from cenote.models.gguf_loader import find_smollm2_gguf
-from cenote.models.llama import LlamaModel
+from cenote.runner.decode_stack import DecodeStackStep
 
 
 def tokens_per_second(llm: LLM, streams: int, max_tokens: int, runs: int) -> float:
@@ -68,7 +68,7 @@ def main() -> None:
         f"{args.max_tokens} tokens/stream"
     )
     print(f"{'dtype':<10}{'streams':>8}{'stack':>10}{'python':>10}{'ratio':>8}   (tok/s, median)")
-    stack_step = LlamaModel._decode_step
+    stack_step = DecodeStackStep.__call__
     for dtype in args.dtype:
         llm = LLM(
             str(find_smollm2_gguf()),
@@ -79,11 +79,11 @@ def main() -> None:
             enable_prefix_caching=False,
         )
         for streams in args.streams:
-            LlamaModel._decode_step = stack_step
+            DecodeStackStep.__call__ = stack_step  # type: ignore[method-assign]
             stack = tokens_per_second(llm, streams, args.max_tokens, args.runs)
-            LlamaModel._decode_step = lambda self, *a: None
+            DecodeStackStep.__call__ = lambda self, *a: None  # type: ignore[method-assign]
             python = tokens_per_second(llm, streams, args.max_tokens, args.runs)
-            LlamaModel._decode_step = stack_step
+            DecodeStackStep.__call__ = stack_step  # type: ignore[method-assign]
             print(f"{dtype:<10}{streams:>8}{stack:>10.1f}{python:>10.1f}{stack / python:>7.2f}x")
         del llm
     print(f"peak RSS of this process: {peak_rss_mb()} MB")

@@ -6,15 +6,16 @@ with a log line when they cannot be built."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from cenote.config import cpu_has_fast_bf16
 from cenote.forward_context import AttentionMetadata, forward_context
-from cenote.models.layers import attention as attention_module
-from cenote.models.layers import attention_kernels
+from cenote.kernels import attention_ops, ops
 from cenote.models.layers.attention import Attention, kv_cache_shape
 from cenote.models.layers.attention_plan import paged_plan
 
@@ -85,13 +86,15 @@ def _per_request(q, k, v, loc, heads, kv_heads, bias_of=None, keep_all=None, **o
 
 
 @pytest.fixture(params=["kernel", "loop"])
-def encoder_path(request, monkeypatch) -> str:
+def encoder_path(request) -> Iterator[str]:
     """Run the test through the varlen kernel, then through the Python loop fallback."""
-    if request.param == "kernel" and attention_kernels.attention_ops() is None:
+    if request.param == "kernel" and attention_ops() is None:
         pytest.fail("the attention kernels did not build on this machine")
     if request.param == "loop":
-        monkeypatch.setattr(attention_module, "attention_ops", lambda: None)
-    return request.param
+        with ops.use_torch():
+            yield request.param
+    else:
+        yield request.param
 
 
 @pytest.mark.parametrize(
@@ -187,7 +190,7 @@ def test_varlen_kernel_bf16_head_sizes(heads, kv_heads, dim, causal) -> None:
     projection), against fp64 attention: lengths across the key-block (64) and query-chunk (256)
     boundaries, head sizes a multiple of 16 (oneDNN micro-kernels where bf16 is native) and not
     (SDPA); padding rows after the last request untouched."""
-    ops = attention_kernels.attention_ops()
+    ops = attention_ops()
     if ops is None:
         pytest.fail("the attention kernels did not build on this machine")
     lengths = [1, 2, 63, 64, 65, 7, 300, 130, 31, 33]
@@ -212,7 +215,7 @@ def test_varlen_kernel_runs_micro_kernels_where_bf16_is_native() -> None:
     """The bf16 path runs on oneDNN's micro-kernels wherever the CPU multiplies bf16 natively:
     AMX, and AVX512-BF16 without AMX (AMD Zen 4/5). Gated on AMX alone it fell back to SDPA per
     request on an AMD EPYC Zen 5, whose MiniLM bf16 pass then ran 1.38x slower."""
-    ops = attention_kernels.attention_ops()
+    ops = attention_ops()
     if ops is None:
         pytest.fail("the attention kernels did not build on this machine")
     assert ops.varlen_micro_kernels() == cpu_has_fast_bf16()
@@ -222,7 +225,7 @@ def test_varlen_kernel_bf16_peaked_scores() -> None:
     """Scores hundreds apart in a row: most weights fall far below fp32's normal range (the
     kernel flushes those to zero); the result still matches fp64 attention, nothing is NaN, and
     the calling thread's floating-point mode (subnormals kept) is as before the call."""
-    ops = attention_kernels.attention_ops()
+    ops = attention_ops()
     if ops is None:
         pytest.fail("the attention kernels did not build on this machine")
     lengths = [5, 70, 200]
@@ -243,7 +246,7 @@ def test_varlen_kernel_bf16_peaked_scores() -> None:
 
 
 def test_varlen_kernel_rejects_bad_rows() -> None:
-    ops = attention_kernels.attention_ops()
+    ops = attention_ops()
     if ops is None:
         pytest.fail("the attention kernels did not build on this machine")
     q = torch.zeros(10, HEADS, DIM)
@@ -283,7 +286,7 @@ def test_varlen_kernel_bf16_alibi() -> None:
     """bf16 ALiBi through the kernel (oneDNN micro-kernels where bf16 is native, the bias added
     to each row of scores) against fp64: lengths across the key-block (64) and query-chunk
     (256) boundaries."""
-    ops = attention_kernels.attention_ops()
+    ops = attention_ops()
     if ops is None:
         pytest.fail("the attention kernels did not build on this machine")
     lengths, dim = [1, 63, 65, 300, 7], 32
@@ -305,7 +308,7 @@ def test_alibi_refuses_what_it_does_not_compute() -> None:
         Attention(HEADS, DIM, HEADS, 0, 1.0, alibi_slopes=[0.5, 0.25])
     with pytest.raises(ValueError, match="bidirectional attention without a sliding window"):
         Attention(HEADS, DIM, HEADS, 0, 1.0, causal=True, alibi_slopes=ALIBI_SLOPES)
-    ops = attention_kernels.attention_ops()
+    ops = attention_ops()
     if ops is None:
         pytest.fail("the attention kernels did not build on this machine")
     q = torch.zeros(10, HEADS, DIM)
@@ -378,16 +381,14 @@ def _decode_reference(q, metadata, kv_heads, window=None, softcap=None):
     ids=["gqa", "window", "softcap", "mha"],
 )
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gather"])
-def test_decode_matches_reference(dtype, options, kernel, monkeypatch) -> None:
-    if kernel and attention_kernels.attention_ops() is None:
+def test_decode_matches_reference(dtype, options, kernel) -> None:
+    if kernel and attention_ops() is None:
         pytest.fail("the attention kernels did not build on this machine")
-    if not kernel:
-        monkeypatch.setattr(attention_module, "attention_ops", lambda: None)
     kv_heads = options.pop("kv_heads", KV_HEADS)
     seq_lens = [1, 3, 4, 5, 17, 40, 9]
     q, k, v, metadata = _decode_step(seq_lens, dtype, kv_heads)
     attention = Attention(HEADS, DIM, kv_heads, 0, DIM**-0.5, **options)
-    with forward_context(metadata):
+    with forward_context(metadata), contextlib.nullcontext() if kernel else ops.use_torch():
         got = attention(q, k, v)
     assert got.dtype == dtype
     expected = _decode_reference(
@@ -397,14 +398,13 @@ def test_decode_matches_reference(dtype, options, kernel, monkeypatch) -> None:
     torch.testing.assert_close(got.float(), expected, atol=atol, rtol=0)
 
 
-def test_decode_kernel_equals_gather_fp32(monkeypatch) -> None:
+def test_decode_kernel_equals_gather_fp32() -> None:
     """Kernel and gather fallback agree within 1e-5 (fp32)."""
     q, k, v, metadata = _decode_step([7, 30, 2, 64], torch.float32, seed=4)
     attention = Attention(HEADS, DIM, KV_HEADS, 0, DIM**-0.5)
     with forward_context(metadata):
         with_kernel = attention(q, k, v)
-    monkeypatch.setattr(attention_module, "attention_ops", lambda: None)
-    with forward_context(metadata):
+    with forward_context(metadata), ops.use_torch():
         gathered = attention(q, k, v)
     torch.testing.assert_close(with_kernel, gathered, atol=ATOL_FP32, rtol=0)
     plan = paged_plan(metadata)
@@ -426,7 +426,7 @@ def test_decode_kernel_equals_gather_fp32(monkeypatch) -> None:
 def test_paged_kernel_head_sizes(dtype, heads, kv_heads, dim, block_size, softcap) -> None:
     """The kernel's paths for head sizes and query heads per kv head, on rows that start and end
     inside blocks, against fp32 torch."""
-    ops = attention_kernels.attention_ops()
+    ops = attention_ops()
     if ops is None:
         pytest.fail("the attention kernels did not build on this machine")
     generator = torch.Generator().manual_seed(0)
@@ -456,7 +456,7 @@ def test_paged_kernel_head_sizes(dtype, heads, kv_heads, dim, block_size, softca
 
 
 def test_paged_kernel_rejects_bad_input() -> None:
-    ops = attention_kernels.attention_ops()
+    ops = attention_ops()
     if ops is None:
         pytest.fail("the attention kernels did not build on this machine")
     op = ops.paged_attention
@@ -478,7 +478,7 @@ def test_paged_kernel_rejects_bad_input() -> None:
 def test_kernel_build_failure_falls_back_with_a_log_line(tmp_path, monkeypatch, caplog) -> None:
     """A library that does not compile: one warning naming it, the callers get None / False and
     run plain torch (attention loops over requests)."""
-    from cenote import kernels
+    from cenote.kernels import build as kernels
 
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")

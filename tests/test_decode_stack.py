@@ -1,5 +1,5 @@
 """The C++ decode stack (cenote/kernels/decode_stack.cpp) against the Python layer loop it
-replaces (``LlamaModel._forward_fused``): bit-identical tokens and logprobs, on tiny quantized
+replaces (``LlamaModel.forward``'s layer loop): bit-identical tokens and logprobs, on tiny quantized
 and dense decoders (GQA, q/k/v biases, sliding-window layers next to full ones) and on SmolLM2's
 GGUF."""
 
@@ -14,11 +14,11 @@ from factories.generation import make_llm, random_prompts, token_prompts
 from factories.seeded import hf_config, random_model
 
 from cenote import SamplingParams
-from cenote.kernels import quant_ops
-from cenote.models.layers.attention_kernels import attention_ops
+from cenote.kernels import attention_ops, quant_ops
 from cenote.models.layers.linear import pack_weight
 from cenote.models.layers.quant import DOT_MAX_ROWS, DOT_MAX_ROWS_WITH_COPY, QuantLinear
 from cenote.models.llama import LlamaModel
+from cenote.runner.decode_stack import DecodeStackStep
 
 pytestmark = pytest.mark.skipif(
     quant_ops() is None or attention_ops() is None, reason="C++ kernels not buildable"
@@ -49,7 +49,7 @@ def _trunk(llm) -> LlamaModel:
 
 def _run(llm, prompts, params, *, stack: bool, monkeypatch: pytest.MonkeyPatch):
     calls = []
-    original = LlamaModel._decode_step
+    original = DecodeStackStep.__call__
 
     def decode_step(self, *args):
         result = original(self, *args) if stack else None
@@ -57,7 +57,7 @@ def _run(llm, prompts, params, *, stack: bool, monkeypatch: pytest.MonkeyPatch):
         return result
 
     with monkeypatch.context() as patch:
-        patch.setattr(LlamaModel, "_decode_step", decode_step)
+        patch.setattr(DecodeStackStep, "__call__", decode_step)
         outputs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outputs]
     logprobs = [
@@ -77,7 +77,7 @@ def _assert_same_as_python_loop(llm, prompts, params, monkeypatch, *, stack=True
     tokens, logprobs, calls = _run(llm, prompts, params, stack=True, monkeypatch=monkeypatch)
     if not stack:  # the stack declines these layers: every step is the Python loop's
         assert not any(calls), "the decode stack ran on layers it cannot multiply"
-        assert _trunk(llm)._decode_stack is None
+        assert _trunk(llm).fused_decode is None
         return
     assert any(calls), "the decode stack never ran"
     assert not all(calls), "prefill steps must take the Python loop"
@@ -118,8 +118,7 @@ def test_stack_equals_python_loop(variant, dtype, quantization, tmp_path: Path, 
     stack = not (dtype == "bfloat16" and quantization == "none" and not _dense_bf16_packs())
     _assert_same_as_python_loop(llm, prompts, params, monkeypatch, stack=stack)
     if stack:
-        stack_object = _trunk(llm)._decode_stack
-        assert stack_object is not None and stack_object is not False
+        assert isinstance(_trunk(llm).fused_decode, DecodeStackStep)
 
 
 @pytest.mark.skipif(
@@ -147,7 +146,7 @@ def test_bf16_dot_products_in_the_stack_equal_the_python_loop(dense_copy, tmp_pa
     assert layers and all(m.dot_max_rows > 0 for m in layers)
     assert all((m.dense_packed is not None) == (dense_copy == "on") for m in layers)
     if dense_copy == "off":
-        assert trunk._stack_max_rows == DOT_MAX_ROWS
+        assert trunk.fused_decode.max_rows == DOT_MAX_ROWS
 
 
 def test_quantized_without_dense_copy_keeps_its_row_limit(tmp_path: Path, monkeypatch):
@@ -167,7 +166,7 @@ def test_quantized_without_dense_copy_keeps_its_row_limit(tmp_path: Path, monkey
         for i in range(10)
     ]
     _assert_same_as_python_loop(llm, prompts, params, monkeypatch)
-    assert trunk._stack_max_rows == 8
+    assert trunk.fused_decode.max_rows == 8
 
 
 def test_smollm2_stack_equals_python_loop(monkeypatch):

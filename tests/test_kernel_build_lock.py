@@ -10,12 +10,12 @@ import threading
 import time
 from pathlib import Path
 
-from cenote.kernels import _build_turn
+from cenote.kernels.build import _build_turn
 
 _HOLD = """
 import sys, time
 from pathlib import Path
-from cenote.kernels import _build_turn
+from cenote.kernels.build import _build_turn
 with _build_turn(Path(sys.argv[1])):
     (Path(sys.argv[1]) / "lock").write_text("a build in progress")  # torch's baton
     print("holding", flush=True)

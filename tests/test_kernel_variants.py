@@ -6,9 +6,10 @@ built with ``CENOTE_KERNEL_ARCH`` in a subprocess (its library registers the sam
 namespace as the native build's) and runs a representative subset of the kernel tests: every
 op family (quantized row kernels for 4 and 8 bits with fp32 and with 8-bit activations,
 dequantize, norms, SiLU-and-mul, rotary, argmax, token bitmask, varlen and paged attention, the
-decode stack, the segmented LoRA update) and, for AVX2, SmolLM2's GGUF end to end. The builds
-live in the suite's own kernel cache, so only a run after a kernel source changed pays for them
-(65-93 s a variant on 2 shared cores, 18-22 s once built; docs/performance.md).
+decode stack, the segmented LoRA update, each op's torch fallback against its kernel) and, for
+AVX2, SmolLM2's GGUF end to end. The builds live in the suite's own kernel cache, so only a run
+after a kernel source changed pays for them (65-93 s a variant on 2 shared cores, 18-22 s once
+built; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 from cenote import kernels
 from cenote.kernels import (
     KERNEL_ARCHES,
+    attention_ops,
     build_or_none,
     extension_name,
     kernel_arch,
@@ -46,6 +48,7 @@ CHECKS = [
     "test_quant.py::test_bad_kernel_arguments_raise_clearly",
     "test_quant_q8.py",
     "test_fused_ops.py",
+    "test_kernel_ops.py",
     "test_attention.py::test_varlen_kernel_bf16_head_sizes",
     "test_attention.py::test_varlen_kernel_runs_micro_kernels_where_bf16_is_native",
     "test_attention.py::test_varlen_kernel_bf16_peaked_scores",
@@ -110,8 +113,6 @@ def test_this_build_took_its_own_branches() -> None:
     arch = kernel_arch()
     if arch == "native":
         pytest.skip("runs inside a variant's subprocess (test_variant_passes_the_kernel_tests)")
-    from cenote.models.layers.attention_kernels import attention_ops
-
     ops = quant_ops()
     assert ops is not None, "the kernel library did not build for " + arch
     assert attention_ops() is not None, "the attention ops are missing from the " + arch + " build"
@@ -130,12 +131,14 @@ def test_an_arch_the_cpu_lacks_falls_back_with_a_log_line(
 ) -> None:
     """Kernels for instructions this CPU does not have would die on the first call: the build
     is refused, with the missing features named, and plain torch runs."""
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"sse2", "avx"})
-    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kernels.build, "_cpu_flags", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(kernels.build.platform, "machine", lambda: "x86_64")
     monkeypatch.setenv("CENOTE_KERNEL_ARCH", "x86-64-v3")
-    with caplog.at_level(logging.WARNING, logger="cenote.kernels"):
+    with caplog.at_level(logging.WARNING, logger="cenote.kernels.build"):
         built = build_or_none(
-            lambda: kernels.build_extension("probe", [], python_module=False), "probe", "torch"
+            lambda: kernels.build.build_extension("probe", [], python_module=False),
+            "probe",
+            "torch",
         )
     assert built is None
     assert "needs CPU features this CPU lacks: avx2, fma, f16c, bmi2, movbe" in caplog.text
@@ -148,7 +151,7 @@ def test_variants_have_their_own_cache_folders(monkeypatch: pytest.MonkeyPatch) 
     names = {arch: extension_name("k", sources, [], arch, "2.0") for arch in KERNEL_ARCHES}
     assert len(set(names.values())) == len(KERNEL_ARCHES)
     assert names["x86-64-v3"].startswith("k_x86_64_v3_") and names["native"].startswith("k_")
-    monkeypatch.setattr(kernels, "cpu_identity", lambda: "model name: another CPU")
+    monkeypatch.setattr(kernels.build, "cpu_identity", lambda: "model name: another CPU")
     assert extension_name("k", sources, [], "x86-64", "2.0") == names["x86-64"]
     assert extension_name("k", sources, [], "native", "2.0") != names["native"]
 

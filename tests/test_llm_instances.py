@@ -43,7 +43,7 @@ def test_two_instances_share_the_kernels_and_the_threads(llm_fp32, chat_llm) -> 
         assert _tokens(chat_llm) == alone_tokens
     # the library was built (or loaded) once for the process, whichever instance asked first
     if not kernels.kernels_disabled():
-        assert kernels._load_library.cache_info().misses == 1
+        assert kernels.build._load_library.cache_info().misses == 1
     assert torch.get_num_threads() == threads
 
 

@@ -39,7 +39,7 @@ from cenote.models.layers.lora import (
     LoRAHost,
     lora_context,
 )
-from cenote.models.llama import LlamaModel
+from cenote.runner.decode_stack import DecodeStackStep
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_NEW = 8
@@ -128,18 +128,20 @@ def test_mixed_batch_equals_each_request_alone(decoder: Decoder) -> None:
 def test_decode_stack_steps_aside_while_an_adapter_runs(decoder: Decoder, monkeypatch) -> None:
     """The C++ decode stack multiplies the base weights only: a step with any adapter takes
     the layer-by-layer path (whose tokens equal peft's, above); base-only steps keep it."""
-    calls: list[bool] = []
-    original = LlamaModel._stack
+    ran: list[bool] = []  # per fused-decode call: whether the stack ran the step
+    original = DecodeStackStep.__call__
 
-    def spy(self, ops):
-        calls.append(True)
-        return original(self, ops)
+    def spy(self, *args):
+        result = original(self, *args)
+        ran.append(result is not None)
+        return result
 
-    monkeypatch.setattr(LlamaModel, "_stack", spy)
+    monkeypatch.setattr(DecodeStackStep, "__call__", spy)
     _generate(decoder, decoder.prompts[:2], decoder.adapters["all"])
-    assert calls == []
+    assert ran and not any(ran)
+    ran.clear()
     _generate(decoder, decoder.prompts[:2], None)
-    assert calls  # base-only decode steps still ask for the stack
+    assert any(ran)  # base-only decode steps still run on the stack
 
 
 def test_prefix_cache_keeps_adapters_apart(decoder: Decoder) -> None:

@@ -17,7 +17,7 @@ from factories.texts import PARITY_TEXTS
 from cenote.config import resolve_dtype
 from cenote.engine_args import EngineArgs
 from cenote.forward_context import AttentionMetadata, forward_context
-from cenote.models.layers import attention as attention_module
+from cenote.kernels import ops
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.attention_plan import paged_plan
 from cenote.models.layers.norm import LayerNorm
@@ -32,7 +32,7 @@ from cenote.platform import (
 )
 from cenote.runner.batch import build_input_batch
 from cenote.runner.memory_profile import dummy_prompt_lengths, graph_reserve_bytes
-from cenote.sampling.sampler import numpy_mask_allowed, torch_mask_allowed
+from cenote.sampling.sampler import mask_allowed, numpy_mask_allowed
 from cenote.scheduler.output import ScheduledRequest
 
 
@@ -318,7 +318,8 @@ class _SpyOps:
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_attention_hands_only_host_tensors_to_the_kernels(monkeypatch, device) -> None:
     spy = _SpyOps()
-    monkeypatch.setattr(attention_module, "attention_ops", lambda: spy)
+    ops.load()
+    monkeypatch.setattr(ops, "_attention", spy)  # what ops resolved the library to
     layer = Attention(num_heads=4, head_dim=8, num_kv_heads=2, layer_idx=0, scale=0.35)
     q = torch.randn(7, 32, device=device)
     k, v = torch.randn(7, 16, device=device), torch.randn(7, 16, device=device)
@@ -372,7 +373,8 @@ def test_structured_outputs_mask_on_a_device_matches_the_host_one() -> None:
     for width in (3, 2):
         expected, got = logits.clone(), logits.clone()
         kept_numpy = numpy_mask_allowed(expected, [2, 0], words[:, :width])
-        kept_torch = torch_mask_allowed(got, [2, 0], words[:, :width])
+        with ops.use_torch():  # the torch ops a device's logits take
+            kept_torch = mask_allowed(got, [2, 0], words[:, :width])
         assert kept_torch == kept_numpy == [True, False]
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
 

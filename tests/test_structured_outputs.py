@@ -330,13 +330,13 @@ def test_masking_by_bitmask_words_equals_the_unpacked_mask(vocab_size, implement
     from cenote.sampling.metadata import AllowedTokens
     from cenote.sampling.sampler import (
         apply_allowed_tokens,
-        kernel_mask_allowed,
+        mask_allowed,
         numpy_mask_allowed,
     )
 
     if implementation == "kernel" and quant_ops() is None:
         pytest.skip("C++ kernels not buildable")
-    mask = numpy_mask_allowed if implementation == "numpy" else kernel_mask_allowed()
+    mask = numpy_mask_allowed if implementation == "numpy" else mask_allowed
 
     rng = np.random.default_rng(vocab_size)
     num_words = 10  # 320 tokens of bitmask

@@ -32,7 +32,7 @@ from cenote.config import ModelConfig
 from cenote.models.decoder_base import DecoderBase
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
 from cenote.models.layers.embedding import Embedding
-from cenote.models.layers.linear import pack_weight, packed_linear
+from cenote.models.layers.lm_head import LMHead
 from cenote.models.layers.norm import GemmaRMSNorm
 from cenote.models.layers.rotary import RotaryEmbedding
 
@@ -184,22 +184,17 @@ class Gemma3ForCausalLM(Gemma3Base):
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(self.hidden_size, config["vocab_size"], bias=False)
-        self.final_softcap = config.get("final_logit_softcapping")
-        self._lm_head_packed: torch.Tensor | None = None  # set by post_load
+        self.logits_head = LMHead(softcap=config.get("final_logit_softcapping"))
 
     def post_load(self) -> None:
-        """Prepack the LM head in the runtime dtype: the costliest matmul of a decode step."""
-        self._lm_head_packed = pack_weight(self._lm_head_weight())
+        self.logits_head.prepare(self._lm_head_module())
 
-    def _lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def _lm_head_module(self) -> nn.Module:
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 logits ``[N, vocab]``, soft-capped when configured."""
-        logits = packed_linear(hidden, self._lm_head_weight(), self._lm_head_packed, None).float()
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return self.logits_head(hidden, self._lm_head_module())
 
 
 class Gemma3TextModel(Gemma3Base):

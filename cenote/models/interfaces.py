@@ -11,10 +11,12 @@ serves (as class or instance attributes).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from cenote.images.batch import ImageBatch
     from cenote.inputs import TextRole
     from cenote.models.checkpoint_map import LinearSlot
+    from cenote.models.layers.norm import RMSNorm
     from cenote.models.layers.quant import QuantizedWeight
     from cenote.pooling.activation import Activation
     from cenote.pooling.methods import PoolingMethod
@@ -210,3 +213,44 @@ class TaskAdapterModel(Protocol):
     layers at load (cenote/lora/tasks.py): a request's ``lora_task`` runs under one."""
 
     task_adapter_ids: dict[str, int]  # task name -> its adapter id
+
+
+@dataclass(frozen=True)
+class DecodeStackLayer:
+    """One pre-norm decoder layer as a fused decode loop runs it: RoPE without q/k norms, a
+    SiLU-gated MLP, unscaled scores, each residual add fused into the norm after it."""
+
+    projections: tuple[nn.Module, nn.Module, nn.Module, nn.Module]  # qkv, o, gate_up, down
+    post_attention_norm: RMSNorm
+    next_norm: RMSNorm  # the next layer's input norm, or the trunk's final norm
+    scale: float  # the attention scores' scale
+    cache_index: int  # which of the step's KV caches is this layer's
+
+
+@dataclass(frozen=True)
+class DecodeStackSpec:
+    """A decoder's layers for a fused decode loop (cenote/runner/decode_stack.py)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    first_norm: RMSNorm  # the first layer's input norm
+    layers: list[DecodeStackLayer]
+    windows: list[int | None]  # each layer's sliding window (None: full attention)
+
+
+FusedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+@runtime_checkable
+class FusedDecodeModel(Protocol):
+    """A decoder whose layers a runner may run as one fused decode loop: it describes them and
+    calls the loop it is given (``fused(embeddings, cos, sin)``) before its own, which runs
+    where the loop returns None."""
+
+    def decode_stack_spec(self) -> DecodeStackSpec | None:
+        """The layers, or None where they do not fit the loop (q/k norms, another activation,
+        soft-capped scores)."""
+        ...
+
+    def use_fused_decode(self, fused: FusedDecode) -> None: ...

@@ -11,27 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.forward_context import get_attention_metadata
-from cenote.kernels import DecodeStack, QuantOps, quant_ops
 from cenote.models.decoder_base import FUSED, DecoderBase, map_name
-from cenote.models.layers.attention_kernels import attention_ops
-from cenote.models.layers.attention_plan import paged_plan
+from cenote.models.interfaces import DecodeStackLayer, DecodeStackSpec, FusedDecode
+from cenote.models.layers.activation import SiluAndMul
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
 from cenote.models.layers.embedding import Embedding
-from cenote.models.layers.linear import TrunkLinear, pack_weight, packed_linear
-from cenote.models.layers.lora import active_lora_batch
+from cenote.models.layers.lm_head import LMHead
 from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.quant import QuantEmbedding, QuantizedWeight, QuantLinear
 from cenote.models.layers.rotary import RotaryEmbedding
 from cenote.models.sliding_window import layer_windows
-from cenote.platform import runs_cpu_kernels
 from cenote.pooling.activation import Activation
 from cenote.pooling.methods import PoolingMethod
 
@@ -79,9 +75,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
         self.mlp = GatedMLP(config, config.get("hidden_act", "silu"), options.mlp_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the previous layer's MLP output (or the embeddings, with ``residual`` None);
+        returns this layer's MLP output and the residual stream, whose adds are fused into the
+        norms that follow them."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -95,186 +104,57 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
         self.rotary = RotaryEmbedding(layers[0].self_attn.head_dim, config)
-        self._decode_stack: DecodeStack | None | Literal[False] = False  # False: not built yet
-        self._stack_max_rows = 0.0
-        self._all_fusable: bool | None = None  # _fusable(), once asked
+        self.fused_decode: FusedDecode | None = None  # the runner's, where it gives one
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         # [num_tokens, head_dim] each: computed in fp32, cast once to the activation dtype (as
         # transformers casts them before rotating)
         cos, sin = (t.to(x.dtype) for t in self.rotary.cos_sin(positions))
-        ops = quant_ops() if runs_cpu_kernels(x) else None
-        if ops is not None and x.dtype in (torch.float32, torch.bfloat16) and self._fusable():
-            return self._forward_fused(ops, x, cos, sin)
+        if self.fused_decode is not None:
+            decoded = self.fused_decode(x, cos, sin)  # a decode step's layers in one call
+            if decoded is not None:
+                return decoded
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin)
+        x, _ = self.norm(x, residual)
+        return x
 
-    def _fusable(self) -> bool:
-        """Every layer's steps have a fused kernel: SiLU MLPs, RoPE without q/k norms (what the
-        layers are built with, so asked once, not every step)."""
-        if self._all_fusable is None:
-            self._all_fusable = all(
-                isinstance(layer, LlamaDecoderLayer)  # nn.ModuleList types its items as Module
-                and layer.self_attn.q_norm is None
-                and layer.mlp.act is F.silu
-                for layer in self.layers
-            )
-        return self._all_fusable
-
-    def _forward_fused(
-        self, ops: QuantOps, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        """The same layers with their elementwise steps fused (cenote/kernels/fused_ops.cpp):
-        each residual add is fused with the norm after it, across layer boundaries, and RoPE
-        rotates q and k in place; every op rounds as the torch code above does."""
-        residual = residual.contiguous()
-        hidden = residual.clone()
-        first = self.layers[0].input_layernorm
-        assert isinstance(first, RMSNorm)
-        ops.add_rms_norm_(hidden, None, first.weight, first.eps)
-        decoded = self._decode_step(ops, residual, hidden, cos, sin)
-        if decoded is not None:
-            return decoded
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, LlamaDecoderLayer)  # nn.ModuleList types its items as Module
-            attention = layer.self_attn
-            qkv = attention.qkv_proj(hidden)
-            q_end = attention.q_size
-            k_end = q_end + attention.kv_size
-            ops.rotary_(qkv, cos, sin, k_end)
-            out = attention.o_proj(
-                attention.attn(
-                    qkv[:, :q_end].contiguous(),
-                    qkv[:, q_end:k_end].contiguous(),
-                    qkv[:, k_end:].contiguous(),
-                )
-            )
-            norm = layer.post_attention_layernorm
-            ops.add_rms_norm_(out, residual, norm.weight, norm.eps)  # residual += attention
-            mlp = layer.mlp
-            hidden = mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(out)))
-            next_norm = (
-                self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            )
-            assert isinstance(next_norm, RMSNorm)
-            ops.add_rms_norm_(hidden, residual, next_norm.weight, next_norm.eps)  # residual += mlp
-        return hidden
-
-    def _decode_step(
-        self,
-        ops: QuantOps,
-        residual: torch.Tensor,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """The layer loop of ``_forward_fused`` as one C++ call (cenote/kernels/
-        decode_stack.cpp, bit-identical) when every row is one new token of its request and
-        every projection has a weight the stack multiplies at this many rows, and no row has a
-        LoRA adapter (the stack reads the base weights only); else None."""
-        if active_lora_batch() is not None:
-            return None
-        metadata = get_attention_metadata()
-        if metadata.kv_caches is None or metadata.slot_mapping is None:
-            return None
-        stack = self._stack(ops)
-        if stack is None or hidden.shape[0] > self._stack_max_rows:
-            return None
-        plans = [paged_plan(metadata, window) for window in self.windows]
-        if not plans[0].all_decode or hidden.dtype != metadata.kv_caches[0].dtype:
-            return None
-        tables, starts, ends = [], [], []
-        for plan in plans:
-            assert plan.decode_tables is not None and plan.decode_starts is not None
-            assert plan.decode_ends is not None  # all-decode plans have all three
-            tables.append(plan.decode_tables)
-            starts.append(plan.decode_starts)
-            ends.append(plan.decode_ends)
-        return stack.run(
-            residual,
-            hidden,
-            cos,
-            sin,
-            metadata.kv_caches,
-            metadata.slot_mapping,
-            tables,
-            starts,
-            ends,
-        )
-
-    def _stack(self, ops: QuantOps) -> DecodeStack | None:
-        """The layers as a ``DecodeStack``, built on first use (the weights are final by then),
-        or None where a layer does not fit it (a dense or split projection, attention kernels
-        unavailable, a softcap)."""
-        if self._decode_stack is not False:
-            return self._decode_stack
-        self._decode_stack = None
-        if attention_ops() is None:
-            return None
+    def decode_stack_spec(self) -> DecodeStackSpec | None:
+        """The layers for the runner's fused decode loop, or None where they do not fit it."""
         layers = [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
-        modules: list[nn.Module] = [
-            module
+        if len(layers) != len(self.layers) or any(
+            layer.self_attn.attn.softcap is not None
+            or layer.self_attn.q_norm is not None
+            or not isinstance(layer.mlp.act_and_mul, SiluAndMul)
             for layer in layers
-            for module in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-        ]
-        specs = [_stack_linear(module) for module in modules]
-        if len(layers) != len(self.layers) or any(spec is None for spec in specs):
+        ):
             return None
-        if any(layer.self_attn.attn.softcap is not None for layer in layers):
-            return None
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         first = layers[0].self_attn
-        stack = ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim)
-        for i, layer in enumerate(layers):
-            for spec in specs[4 * i : 4 * i + 4]:  # qkv, o, gate_up, down
-                assert spec is not None
-                stack.add_linear(*spec[0])
-            post = layer.post_attention_layernorm
-            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            attn = layer.self_attn.attn
-            stack.add_layer(
-                post.weight, post.eps, following.weight, following.eps, attn.scale, attn.layer_idx
-            )
-        self._stack_max_rows = min(spec[1] for spec in specs if spec is not None)
-        self._decode_stack = stack
-        return stack
-
-
-_StackLinear = tuple[
-    torch.Tensor | None,  # q
-    torch.Tensor | None,  # scale
-    torch.Tensor | None,  # mn
-    int,  # bits
-    int,  # group
-    int,  # fused_max_rows
-    int,  # dot_max_rows
-    torch.Tensor | None,  # packed
-    torch.dtype,  # dense_dtype
-    torch.Tensor | None,  # bias
-]
-
-
-def _stack_linear(module: nn.Module) -> tuple[_StackLinear, float] | None:
-    """``DecodeStack.add_linear``'s arguments for a projection and the most rows the stack can
-    multiply it at, as its module would (QuantLinear: the fused kernel, then its dense copy;
-    TrunkLinear: its prepacked weight), or None where the stack cannot."""
-    if isinstance(module, QuantLinear) and len(module.parts) == 1:
-        part, packed = module.parts[0], module.dense_packed
-        dense_dtype = module.dense_dtype or torch.float32
-        rows = float("inf") if packed is not None else module.fused_max_rows
-        args = (part.qdata, part.scales, part.mins, part.bits, part.group, module.fused_max_rows)
-        rows = max(rows, module.dot_max_rows)
-        return (*args, module.dot_max_rows, packed, dense_dtype, module.bias), rows
-    if isinstance(module, TrunkLinear) and module.packed is not None:
-        spec = (None, None, None, 0, 0, 0, 0, module.packed, module.weight.dtype, module.bias)
-        return spec, float("inf")
-    return None
+        return DecodeStackSpec(
+            num_heads=first.num_heads,
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            first_norm=layers[0].input_layernorm,
+            layers=[
+                DecodeStackLayer(
+                    projections=(
+                        layer.self_attn.qkv_proj,
+                        layer.self_attn.o_proj,
+                        layer.mlp.gate_up_proj,
+                        layer.mlp.down_proj,
+                    ),
+                    post_attention_norm=layer.post_attention_layernorm,
+                    next_norm=next_norm,
+                    scale=layer.self_attn.attn.scale,
+                    cache_index=layer.self_attn.attn.layer_idx,
+                )
+                for layer, next_norm in zip(layers, norms, strict=True)
+            ],
+            windows=list(self.windows),
+        )
 
 
 class LlamaDecoder(DecoderBase):
@@ -290,6 +170,12 @@ class LlamaDecoder(DecoderBase):
         attention = self.model.layers[0].self_attn
         assert isinstance(attention, DecoderAttention)
         self._set_sizes(self.model.windows, attention)
+
+    def decode_stack_spec(self) -> DecodeStackSpec | None:
+        return self.model.decode_stack_spec()
+
+    def use_fused_decode(self, fused: FusedDecode) -> None:
+        self.model.fused_decode = fused
 
     def prepare_quantized(self, names: set[str]) -> None:
         """Called on the meta device, before weights are allocated: the linear layers and the
@@ -340,31 +226,17 @@ class LlamaForCausalLM(LlamaDecoder):
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(self.hidden_size, self.config["vocab_size"], bias=False)
+        self.logits_head = LMHead()
 
     def post_load(self) -> None:
-        """Prepack the LM head (tied or not) in the runtime dtype: the costliest matmul of a
-        decode step. A quantized head stays quantized (a tied quantized table multiplies as a
-        ``QuantLinear`` over the same bytes)."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        self._quant_head: QuantLinear | None = None
-        self._lm_head_packed = None
-        if isinstance(head, QuantEmbedding):
-            self._quant_head = QuantLinear([head.weight_q], None)
-        elif isinstance(head, QuantLinear):
-            self._quant_head = head
-        else:
-            self._lm_head_packed = pack_weight(self._lm_head_weight())
+        self.logits_head.prepare(self._lm_head_module())
 
-    def _lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def _lm_head_module(self) -> nn.Module:
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 logits ``[N, vocab]`` (matmul in the model dtype)."""
-        quant_head = getattr(self, "_quant_head", None)
-        if quant_head is not None:
-            return quant_head(hidden).float()
-        packed = getattr(self, "_lm_head_packed", None)
-        return packed_linear(hidden, self._lm_head_weight(), packed, None).float()
+        return self.logits_head(hidden, self._lm_head_module())
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.kernels import cpu_features, quant_ops
+from cenote.kernels import cpu_features, ops
 from cenote.models.interfaces import Model, PostLoad, QuantizedLoading
 from cenote.models.layers.linear import prepack_trunk, quantize_trunk_w8a8
 from cenote.models.layers.quant import keep_dense_copies, quantize_trunk, use_dot_products
@@ -120,7 +120,7 @@ def _quantization(model_config: ModelConfig, model: nn.Module) -> str | None:
                 model_config.dtype,
             )
             return None
-        if quant_ops() is None:
+        if not ops.kernels_built():
             logger.warning(
                 "%s: quantized kernel unavailable, weights dequantized to %s",
                 model_config.path.name,
@@ -128,7 +128,7 @@ def _quantization(model_config: ModelConfig, model: nn.Module) -> str | None:
             )
             return None
         return "gguf"
-    if quant_ops() is None:
+    if not ops.kernels_built():
         raise RuntimeError(
             f"quantization={asked!r} needs the quantized-matmul kernel, which could not be "
             "built here (see the log); use quantization='none'"
@@ -157,8 +157,7 @@ def _check_w8a8(model_config: ModelConfig) -> None:
             "quantization='w8a8' needs int8 dot products (AVX512-VNNI or AMX-INT8); this CPU "
             f"has {', '.join(sorted(flags)) or 'neither'}"
         )
-    ops = quant_ops()
-    if ops is None or not ops.int8_supported():
+    if not ops.int8_supported():
         raise RuntimeError(
             "quantization='w8a8': torch's int8 micro-kernels did not give the right product "
             "on a check here; use quantization='none'"

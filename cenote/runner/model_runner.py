@@ -19,6 +19,7 @@ from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.pooler import DispatchPooler
 from cenote.runner.batch import build_input_batch
 from cenote.runner.decode_graphs import DecodeGraphs
+from cenote.runner.decode_stack import use_decode_stack
 from cenote.runner.output import ModelRunnerOutput
 from cenote.sampling.metadata import (
     AllowedTokens,
@@ -82,6 +83,8 @@ class ModelRunner:
             self.device,
             max_cpu_loras=lora.max_cpu_loras,
         )
+        if kv_caches is not None:
+            use_decode_stack(model, self.device)  # a decoder's decode steps in one C++ call
         self.decode_graphs: DecodeGraphs | None = None
         if config.cuda_graphs and kv_caches is not None and self.lm_head is not None:
             self.decode_graphs = self._decode_graphs(model, kv_caches)

@@ -17,8 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from cenote.kernels import quant_ops
-from cenote.platform import runs_cpu_kernels
+from cenote.kernels import ops
 from cenote.sampling.metadata import AllowedTokens, BatchBias, SamplingMetadata
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]
@@ -26,24 +25,6 @@ Argmax = Callable[[torch.Tensor], torch.Tensor]
 
 def torch_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
-
-
-def kernel_argmax() -> Argmax:
-    """``argmax(-1)`` of fp32 rows on cenote's kernel (fused_ops.cpp ``argmax_rows``: the same
-    indices as torch, first maximum, a NaN counting as the maximum) where the kernels are built,
-    else torch's. torch's last-dimension argmax does not vectorize; measured (Intel Xeon AMX, 2
-    threads, under the CPU lock) on [16, 49152] logits: 498 -> 35 us, [1, 49152]: 62 -> 5.5 us."""
-    ops = quant_ops()
-    if ops is None:
-        return torch_argmax
-    kernel = ops.argmax_rows
-
-    def argmax(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1]:
-            return kernel(x if x.stride(1) == 1 else x.contiguous())
-        return x.argmax(dim=-1)
-
-    return argmax
 
 
 @dataclass
@@ -68,8 +49,9 @@ class Sampler(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.argmax = kernel_argmax()  # resolved (the kernels built or loaded) once, up front
-        self.mask_allowed = kernel_mask_allowed()
+        ops.load()  # the kernels built or loaded up front, not on the first step
+        self.argmax: Argmax = ops.argmax
+        self.mask_allowed: MaskAllowed = mask_allowed
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of ``logits`` [num_rows, vocab_size]; input is not modified.
@@ -139,55 +121,17 @@ def apply_logit_bias(logits: torch.Tensor, bias: BatchBias) -> torch.Tensor:
 MaskAllowed = Callable[[torch.Tensor, list[int], torch.Tensor], list[bool]]
 
 
-def kernel_mask_allowed() -> MaskAllowed:
-    """``-inf`` on the tokens each listed row's bitmask refuses, in place on fp32 rows; whether
-    each row kept a finite logit. On cenote's kernel (fused_ops.cpp ``apply_token_bitmask_``)
-    where the kernels are built, else block by block in numpy (``numpy_mask_allowed``).
-    Measured (AMD EPYC AVX2, 2 threads, under the CPU lock) on SmolLM2's 49,152-token rows
-    with a JSON string's dense masks: see docs/performance.md (structured outputs)."""
-    ops = quant_ops()
-    if ops is None:
-        return host_or_device_mask_allowed
-    kernel = ops.apply_token_bitmask_
-
-    def mask(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> list[bool]:
-        if logits.dtype != torch.float32 or logits.stride(-1) != 1 or not runs_cpu_kernels(logits):
-            return host_or_device_mask_allowed(logits, rows, words)
-        kept = kernel(logits, torch.tensor(rows, dtype=torch.int64), words.contiguous())
-        return [bool(k) for k in kept.tolist()]
-
-    return mask
-
-
-def host_or_device_mask_allowed(
-    logits: torch.Tensor, rows: list[int], words: torch.Tensor
-) -> list[bool]:
-    """numpy on host rows (reads them in place), torch on a device's."""
-    if logits.device.type == "cpu":
-        return numpy_mask_allowed(logits, rows, words)
-    return torch_mask_allowed(logits, rows, words)
-
-
-_TORCH_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def torch_mask_allowed(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> list[bool]:
-    """``kernel_mask_allowed``'s contract in torch ops, for logits on a device: the words
-    unpacked to a bool mask over the vocabulary (ids past ``32 W`` refused), one masked_fill."""
-    vocab = logits.shape[1]
-    words = words.to(logits.device)
-    shifts = _TORCH_BIT_SHIFTS.to(logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [k, 32 W]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    picked = logits.index_select(0, index).masked_fill_(~allowed[:, :vocab], float("-inf"))
-    logits.index_copy_(0, index, picked)
-    return [bool(k) for k in torch.isfinite(picked).any(dim=1).tolist()]
+def mask_allowed(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> list[bool]:
+    """``-inf`` on the tokens each listed row's bitmask refuses, in place; whether each row kept
+    a finite logit (``ops.apply_token_bitmask_``: cenote's kernel on fp32 host rows)."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    kept = ops.apply_token_bitmask_(logits, index, words)
+    return [bool(k) for k in kept.tolist()]
 
 
 def numpy_mask_allowed(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> list[bool]:
-    """``kernel_mask_allowed``'s fallback: each row masked by ``_mask_row``."""
+    """``mask_allowed`` block by block in numpy (each row masked by ``_mask_row``, in place):
+    the reference of the kernel's tests and benchmarks."""
     bits = words.numpy()
     kept = []
     for i, row in enumerate(rows):

@@ -10,19 +10,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from cenote.forward_context import AttentionMetadata, get_attention_metadata
-from cenote.models.layers.attention_kernels import attention_ops
+from cenote.kernels import ops
 from cenote.models.layers.attention_plan import PagedPlan, paged_plan
 from cenote.models.layers.torch_varlen import varlen_applies, varlen_attention
 from cenote.models.layers.triton_attention import triton_paged_decode
-from cenote.platform import runs_cpu_kernels
 
 # Encoders only: ``mask_fn(rows, num_requests, length)`` -> a bool (True = attend) or additive
 # float mask broadcastable to [num_requests, heads, length, length] for the equal-length requests
 # whose tokens are ``rows`` of the flat stream (relative position bias, local window, key mask),
 # or None where every token sees every other.
 EncoderMaskFn = Callable[[slice, int, int], torch.Tensor | None]
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Attention(nn.Module):
@@ -75,7 +72,7 @@ class Attention(nn.Module):
         self.alibi_slopes = (
             None if alibi_slopes is None else torch.tensor(alibi_slopes, device="cpu")
         )
-        attention_ops()  # build or load the kernels with the model, not on its first request
+        ops.load()  # build or load the kernels with the model, not on its first request
 
     def forward(
         self,
@@ -169,17 +166,15 @@ class Attention(nn.Module):
             and self.softcap is None
             and (self.sliding_window is None or max(lengths) <= self.sliding_window)
         )
-        ops = attention_ops() if runs_cpu_kernels(q) else None
         alibi = self.alibi_slopes
-        if ops is not None and plain:
+        if plain:
+            if (
+                alibi is None
+                and varlen_applies(q)
+                and self._attend_torch_varlen(q, k, v, starts, lengths, causal, out)
+            ):
+                return out
             ops.varlen_attention(q, k, v, out, starts, lengths, self.scale, causal, alibi)
-            return out
-        if (
-            plain
-            and alibi is None
-            and varlen_applies(q)
-            and self._attend_torch_varlen(q, k, v, starts, lengths, causal, out)
-        ):
             return out
         i = 0
         while i < len(lengths):
@@ -280,22 +275,13 @@ class Attention(nn.Module):
         if plan.fresh_starts:
             self._attend_fresh(q, k, v, plan.fresh_starts, plan.fresh_lengths, True, out=out)
         for prefill in plan.prefills:
-            kv = self._gather(kv_cache, prefill.blocks)[:, :, 0, : prefill.seq_len]
+            kv = ops.gather_blocks(kv_cache, prefill.blocks)[:, :, 0, : prefill.seq_len]
             query = q[prefill.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             result = self._kernel(  # keys, values: [1, kv_heads, seq_len, dim]
                 query, kv[0].unsqueeze(0), kv[1].unsqueeze(0), prefill.mask, causal=False
             )
             out[prefill.rows] = result[0].transpose(0, 1)
         return out
-
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """[2, kv_heads, batch, num_blocks * block_size, dim] keys and values of ``blocks``
-        ([batch, num_blocks] or [num_blocks]), one index_select for both."""
-        two, heads, num_blocks, block_size, dim = kv_cache.shape
-        batch = blocks.shape[0] if blocks.dim() == 2 else 1
-        flat = kv_cache.view(two * heads, num_blocks, block_size * dim)
-        picked = flat.index_select(1, blocks.reshape(-1))
-        return picked.view(two, heads, batch, -1, dim)
 
     def _attend_decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, plan: PagedPlan
@@ -305,26 +291,18 @@ class Attention(nn.Module):
         padded block tables."""
         assert plan.decode_tables is not None  # a plan with decode rows has all three
         assert plan.decode_starts is not None and plan.decode_ends is not None
-        if q.dtype != kv_cache.dtype:
-            return self._attend_decode_gathered(q, kv_cache, plan)
-        if q.device.type == "cuda":
+        if q.device.type == "cuda" and q.dtype == kv_cache.dtype:
             paged_decode = triton_paged_decode()
-            if paged_decode is None:
-                return self._attend_decode_gathered(q, kv_cache, plan)
-            return paged_decode(
-                q,
-                kv_cache,
-                plan.decode_tables,
-                plan.decode_starts,
-                plan.decode_ends,
-                self.scale,
-                self.softcap or 0.0,
-            )
-        ops = attention_ops() if runs_cpu_kernels(q) else None
-        if ops is None or q.dtype not in _KERNEL_DTYPES:
-            return self._attend_decode_gathered(q, kv_cache, plan)
-        if q.stride(2) != 1 or q.stride(1) != self.head_dim:
-            q = q.contiguous()
+            if paged_decode is not None:
+                return paged_decode(
+                    q,
+                    kv_cache,
+                    plan.decode_tables,
+                    plan.decode_starts,
+                    plan.decode_ends,
+                    self.scale,
+                    self.softcap or 0.0,
+                )
         return ops.paged_attention(
             q,
             kv_cache,
@@ -332,34 +310,11 @@ class Attention(nn.Module):
             plan.decode_starts,
             plan.decode_ends,
             self.scale,
-            self.softcap or 0.0,
+            self.softcap,
+            # a device's fallback shares the step's mask across layers (the host's kernel
+            # needs none)
+            key_padding=plan.decode_padding if q.device.type != "cpu" else None,
         )
-
-    def _attend_decode_gathered(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: PagedPlan
-    ) -> torch.Tensor:
-        """Decode over a copy of the padded, masked block tables: two batched matmuls rather
-        than SDPA (measured 4x faster for bf16 one-token queries: SDPA's flash kernel is built
-        for long queries)."""
-        batch = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        assert plan.decode_tables is not None  # a plan with decode rows
-        kv = self._gather(kv_cache, plan.decode_tables)  # [2, kv_heads, batch, L, dim]
-        length = kv.shape[3]
-        keys = kv[0].view(self.num_kv_heads * batch, length, self.head_dim)
-        values = kv[1].view(self.num_kv_heads * batch, length, self.head_dim)
-        # [batch, heads, dim] -> [kv_heads * batch, group, dim]
-        query = q.view(batch, self.num_kv_heads, group, self.head_dim).transpose(0, 1)
-        query = query.reshape(self.num_kv_heads * batch, group, self.head_dim)
-        scores = torch.bmm(query, keys.transpose(1, 2)).float()  # [kv_heads * batch, group, L]
-        scores = scores.view(self.num_kv_heads, batch, group, length).mul_(self.scale)
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap).mul_(self.softcap)
-        scores.masked_fill_(plan.decode_padding[None, :, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.bmm(probs.view(-1, group, length), values)  # [kv_heads * batch, group, dim]
-        out = out.view(self.num_kv_heads, batch, group, self.head_dim).transpose(0, 1)
-        return out.reshape(batch, self.num_heads, self.head_dim)
 
 
 def kv_cache_shape(

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from cenote.models.layers.activation import get_activation
+from cenote.kernels import ops
+from cenote.models.layers.activation import gated_activation
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.linear import TrunkLinear
-from cenote.models.layers.rotary import apply_rotary
 
 
 class DecoderAttention(nn.Module):
@@ -64,24 +64,31 @@ class DecoderAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size], this call's own tensor
+        sizes = [self.q_size, self.kv_size, self.kv_size]
+        if self.q_norm is None or self.k_norm is None:
+            ops.rotary_(qkv, cos, sin, self.q_size + self.kv_size)  # q and k, in place
+            q, k, v = qkv.split(sizes, dim=-1)
+        else:
+            q, k, v = qkv.split(sizes, dim=-1)
             q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).flatten(1)
             k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).flatten(1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v.contiguous()))  # [num_tokens, hidden]
+            ops.rotary_(q, cos, sin, self.q_size)
+            ops.rotary_(k, cos, sin, self.kv_size)
+        out = self.attn(q.contiguous(), k.contiguous(), v.contiguous())
+        return self.o_proj(out)  # [num_tokens, hidden]
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate) * up)`` with a fused gate/up projection."""
+    """``down(act(gate) * up)`` with a fused gate/up projection (``act_and_mul``: SiLU's on
+    ``ops.silu_and_mul``)."""
 
     def __init__(self, config: dict[str, Any], activation: str, bias: bool = False) -> None:
         super().__init__()
         hidden, intermediate = config["hidden_size"], config["intermediate_size"]
         self.gate_up_proj = TrunkLinear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = TrunkLinear(intermediate, hidden, bias=bias)
-        self.act = get_activation(activation)
+        self.act_and_mul = gated_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

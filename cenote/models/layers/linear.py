@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cenote.kernels import cpu_features, quant_ops
+from cenote.kernels import cpu_features, ops
 from cenote.models.layers.lora import LoRAHost
 from cenote.models.layers.norm import LayerNorm
 
@@ -68,9 +68,6 @@ class TrunkLinear(LoRAHost, nn.Linear):
     def quantize_w8a8(self) -> None:
         """Multiply bf16 rows as int8 from now on: the weight per output channel (symmetric),
         each row of ``x`` per call (cenote/kernels/int8_linear.cpp)."""
-        ops = quant_ops()
-        if ops is None:
-            raise RuntimeError("w8a8 needs the quantized-matmul kernels, which did not build")
         packed, scales, col_sums = ops.int8_pack(self.weight.detach())
         self._int8 = (packed, scales, col_sums)
         self._packed = None
@@ -79,16 +76,9 @@ class TrunkLinear(LoRAHost, nn.Linear):
         self, x: torch.Tensor, residual: torch.Tensor | None, gelu: bool
     ) -> torch.Tensor | None:
         """The w8a8 product with its epilogue, or None where it does not apply to ``x``."""
-        if self._int8 is None or x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        if self._int8 is None:
             return None
-        if residual is not None and (residual.dtype != torch.bfloat16 or residual.stride(1) != 1):
-            return None
-        ops = quant_ops()
-        assert ops is not None  # _int8 is set only where the kernels built
-        bias = self.bias if self.bias is None or self.bias.dtype == torch.bfloat16 else None
-        if self.bias is not None and bias is None:
-            return None
-        return ops.int8_linear(x, *self._int8, bias, residual, gelu)
+        return ops.int8_linear(x, self._int8, self.bias, residual, gelu)
 
     @property
     def packed(self) -> torch.Tensor | None:

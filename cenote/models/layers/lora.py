@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cenote.kernels import quant_ops
+from cenote.kernels import ops
 from cenote.platform import runs_cpu_kernels
 
 
@@ -164,8 +164,7 @@ def segmented_update(
     for group in batch.groups:
         if (num_rows if group.end is None else group.end) - group.start > max_run_rows:
             return False
-    ops = quant_ops() if runs_cpu_kernels(x, out) else None
-    if ops is None:
+    if not (ops.kernels_built() and runs_cpu_kernels(x, out)):
         return False
     a: list[torch.Tensor] = []
     b: list[torch.Tensor] = []

@@ -3,26 +3,42 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import nn
 
-from cenote.kernels import quant_ops
+from cenote.kernels import ops
 
 
 class RMSNorm(nn.Module):
-    """``forward(x [..., dim]) -> [..., dim]`` in ``x``'s dtype; the statistics are fp32."""
+    """``forward(x [..., dim]) -> [..., dim]``: a new tensor in ``x``'s dtype (statistics in
+    fp32, cast, then scaled, as Hugging Face Llama). ``forward(x, residual)`` is the pre-norm
+    block's fused step: ``residual += x``, then ``x`` = the norm of the sum, both in place (``x``
+    must be the caller's temporary); returns ``(x, residual)``. Both run ``ops.add_rms_norm_``."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(input_dtype)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        out = x.reshape(-1, x.shape[-1]).clone(memory_format=torch.contiguous_format)
+        ops.add_rms_norm_(out, None, self.weight, self.eps)  # [rows, dim]
+        return out.view(x.shape)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -52,33 +68,12 @@ class LayerNorm(nn.LayerNorm):
     corpus 423 -> 449 chunks/s (6 interleaved pairs). Anything else returns ``self(x)``."""
 
     def normalize_(self, x: torch.Tensor) -> torch.Tensor:
-        if self.runs_in_place(x):
-            ops = quant_ops()
-            if ops is not None:
-                ops.layer_norm_(x, self.weight, self.bias, self.eps)
-                return x
-        return self(x)
+        return ops.layer_norm_(x, self.weight, self.bias, self.eps)
 
     def add_normalize_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``self(x + residual)`` written over ``x``; on the kernel the sum stays in fp32."""
-        if self.runs_in_place(x) and self.runs_in_place(residual) and residual.shape == x.shape:
-            ops = quant_ops()
-            if ops is not None:
-                ops.add_layer_norm_(x, residual, self.weight, self.bias, self.eps)
-                return x
-        return self.normalize_(x.add_(residual))
+        return ops.add_layer_norm_(x, residual, self.weight, self.bias, self.eps)
 
     def runs_in_place(self, x: torch.Tensor) -> bool:
         """Whether ``normalize_`` of ``x`` runs on cenote's kernel (2-d bf16 CPU rows)."""
-        weight, bias = self.weight, self.bias
-        return (
-            x.dtype == torch.bfloat16
-            and x.dim() == 2
-            and x.stride(1) == 1
-            and x.device.type == "cpu"
-            and weight is not None
-            and bias is not None
-            and weight.dtype == torch.bfloat16
-            and bias.dtype == torch.bfloat16
-            and not torch.is_grad_enabled()
-        )
+        return ops.layer_norm_in_place(x, self.weight, self.bias)

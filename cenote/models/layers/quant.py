@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from cenote.kernels import quant_ops
+from cenote.kernels import ops
 from cenote.models.layers.linear import pack_weight, packed_linear
 from cenote.models.layers.lora import LoRAHost
 
@@ -85,11 +85,9 @@ class QuantizedWeight:
         every layer (valid until the next such call on this thread): the matmul that follows
         reads it at once, and a fresh multi-MB tensor per call costs more in page faults than
         the dequantization itself (measured 3x)."""
-        ops = quant_ops()
-        if ops is None or dtype not in (torch.float32, torch.bfloat16):
-            return dequantize_reference(self).to(dtype)
-        buffer = _workspace(dtype, self.shape[0] * self.shape[1]) if workspace else None
-        return ops.quant_dequantize(
+        in_buffer = workspace and dtype in (torch.float32, torch.bfloat16)  # the kernel's dtypes
+        buffer = _workspace(dtype, self.shape[0] * self.shape[1]) if in_buffer else None
+        return ops.dequantize(
             self.qdata, self.scales, self.mins, self.bits, self.group, dtype, buffer
         )
 
@@ -129,16 +127,9 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
 
 def dequantize_reference(weight: QuantizedWeight) -> torch.Tensor:
     """fp32 ``[N, K]`` in plain torch (the kernel's reference, and its fallback)."""
-    n, k = weight.shape
-    if weight.bits == 4:
-        q = weight.qdata.view(n, k // 32, 16)
-        values = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # [n, groups, 32]
-    else:
-        values = weight.qdata.view(n, k // weight.group, weight.group).float()
-    values = values * weight.scales.float().unsqueeze(-1)
-    if weight.mins is not None:
-        values = values + weight.mins.float().unsqueeze(-1)
-    return values.reshape(n, k)
+    return ops.dequantize_reference(
+        weight.qdata, weight.scales, weight.mins, weight.bits, weight.group
+    )
 
 
 def pack_w4(q: np.ndarray) -> np.ndarray:
@@ -271,18 +262,10 @@ def quant_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` in ``x``'s dtype."""
-    ops = quant_ops()
-    rows = x.shape[0]
-    if ops is not None and rows <= FUSED_MAX_ROWS:
-        native = x.dtype in (torch.float32, torch.bfloat16)  # the kernel's own in/out dtypes
+    if x.shape[0] <= FUSED_MAX_ROWS:
         out = ops.quant_matmul(
-            (x if native else x.float()).contiguous(),
-            weight.qdata,
-            weight.scales,
-            weight.mins,
-            weight.bits,
-            weight.group,
-        ).to(x.dtype)
+            x, weight.qdata, weight.scales, weight.mins, weight.bits, weight.group
+        )
     else:
         out = torch.mm(x, weight.dequantize(x.dtype, workspace=True).t())
     return out if bias is None else out + bias
@@ -321,8 +304,7 @@ class QuantLinear(LoRAHost, nn.Module):
         """Multiply bf16 steps of more than DENSE_ABOVE_ROWS[bf16] rows, up to DOT_MAX_ROWS,
         with ``quant_matmul_dot``, where it runs here and takes this layer's layout; returns
         whether it does."""
-        ops = quant_ops()
-        if ops is None or not ops.quant_dot_supported() or len(self.parts) != 1:
+        if not ops.quant_dot_supported() or len(self.parts) != 1:
             return False
         if self.parts[0].group != 32:
             return False
@@ -363,12 +345,8 @@ class QuantLinear(LoRAHost, nn.Module):
     def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self._dense_above_rows < rows <= self.dot_max_rows and x.dtype == torch.bfloat16:
-            ops = quant_ops()
-            assert ops is not None  # dot_max_rows is 0 without the kernels
             part = self.parts[0]
-            out = ops.quant_matmul_dot(
-                x.contiguous(), part.qdata, part.scales, part.mins, part.bits, part.group
-            )
+            out = ops.quant_matmul_dot(x, part.qdata, part.scales, part.mins, part.bits, part.group)
             return out if self.bias is None else out + self.bias
         if self._dense is not None and rows > self._dense_above_rows:
             weight, packed = self._dense

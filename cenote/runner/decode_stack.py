@@ -1,0 +1,140 @@
+"""A decode step's layer loop as one C++ call (cenote/kernels/csrc/decode_stack.cpp): the runner's
+execution strategy for pre-norm decoders on the CPU, bit-identical to the model's own layer loop.
+
+A model offers its layers through ``FusedDecodeModel`` (models/interfaces.py): it describes them
+(``DecodeStackSpec``: projections, norms, attention sizes, scales, windows) and takes the step
+this module builds (``use_fused_decode``). Its ``forward`` calls the step first; the step returns
+None where it does not apply (a step with prompt rows, a LoRA row, more rows than a projection's
+fused kernel takes), and the model's loop runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from cenote.forward_context import get_attention_metadata
+from cenote.kernels import DecodeStack, ops
+from cenote.models.interfaces import DecodeStackSpec, FusedDecodeModel
+from cenote.models.layers.attention_plan import paged_plan
+from cenote.models.layers.linear import TrunkLinear
+from cenote.models.layers.lora import active_lora_batch
+from cenote.models.layers.quant import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+_StackLinear = tuple[
+    torch.Tensor | None,  # q
+    torch.Tensor | None,  # scale
+    torch.Tensor | None,  # mn
+    int,  # bits
+    int,  # group
+    int,  # fused_max_rows
+    int,  # dot_max_rows
+    torch.Tensor | None,  # packed
+    torch.dtype,  # dense_dtype
+    torch.Tensor | None,  # bias
+]
+
+
+def use_decode_stack(model: object, device: torch.device) -> bool:
+    """Give ``model`` a ``DecodeStackStep`` where it offers its layers and the stack takes them
+    (host weights, every projection quantized or prepacked, the kernels built); returns whether
+    it did."""
+    if device.type != "cpu" or not isinstance(model, FusedDecodeModel):
+        return False
+    spec = model.decode_stack_spec()
+    step = None if spec is None else DecodeStackStep.build(spec)
+    if step is None:
+        return False
+    model.use_fused_decode(step)
+    return True
+
+
+class DecodeStackStep:
+    """``step(x, cos, sin) -> hidden | None``: ``x [rows, hidden]`` the embeddings of a step whose
+    rows each decode one token; returns the final norm's output, or None where the stack does
+    not apply to this step."""
+
+    def __init__(self, stack: DecodeStack, spec: DecodeStackSpec, max_rows: float) -> None:
+        self.stack = stack
+        self.spec = spec
+        self.max_rows = max_rows  # the fewest rows a projection multiplies in the stack
+
+    @classmethod
+    def build(cls, spec: DecodeStackSpec) -> DecodeStackStep | None:
+        """The stack of ``spec``'s layers, or None where a projection does not fit it (dense
+        and not prepacked, split into parts) or the kernels did not build."""
+        linears = [_stack_linear(module) for layer in spec.layers for module in layer.projections]
+        if not linears or any(linear is None for linear in linears):
+            return None
+        stack = ops.decode_stack(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        if stack is None:
+            return None
+        for i, layer in enumerate(spec.layers):
+            for linear in linears[4 * i : 4 * i + 4]:  # qkv, o, gate_up, down
+                assert linear is not None
+                stack.add_linear(*linear[0])
+            post, following = layer.post_attention_norm, layer.next_norm
+            stack.add_layer(
+                post.weight,
+                post.eps,
+                following.weight,
+                following.eps,
+                layer.scale,
+                layer.cache_index,
+            )
+        max_rows = min(linear[1] for linear in linears if linear is not None)
+        return cls(stack, spec, max_rows)
+
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
+        if active_lora_batch() is not None or x.device.type != "cpu":
+            return None  # the stack reads the base weights only, through host pointers
+        if x.shape[0] > self.max_rows or x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        metadata = get_attention_metadata()
+        if metadata.kv_caches is None or metadata.slot_mapping is None:
+            return None
+        plans = [paged_plan(metadata, window) for window in self.spec.windows]
+        if not plans[0].all_decode or x.dtype != metadata.kv_caches[0].dtype:
+            return None
+        tables, starts, ends = [], [], []
+        for plan in plans:
+            assert plan.decode_tables is not None and plan.decode_starts is not None
+            assert plan.decode_ends is not None  # all-decode plans have all three
+            tables.append(plan.decode_tables)
+            starts.append(plan.decode_starts)
+            ends.append(plan.decode_ends)
+        residual = x.contiguous()  # the stack adds each layer's outputs into it, in place
+        return self.stack.run(
+            residual,
+            self.spec.first_norm(residual),
+            cos,
+            sin,
+            metadata.kv_caches,
+            metadata.slot_mapping,
+            tables,
+            starts,
+            ends,
+        )
+
+
+def _stack_linear(module: nn.Module) -> tuple[_StackLinear, float] | None:
+    """``DecodeStack.add_linear``'s arguments for a projection and the most rows the stack can
+    multiply it at, as its module would (QuantLinear: the fused kernel, then its dense copy;
+    TrunkLinear: its prepacked weight), or None where the stack cannot."""
+    if isinstance(module, QuantLinear) and len(module.parts) == 1:
+        part, packed = module.parts[0], module.dense_packed
+        dense_dtype = module.dense_dtype or torch.float32
+        rows = float("inf") if packed is not None else module.fused_max_rows
+        args = (part.qdata, part.scales, part.mins, part.bits, part.group, module.fused_max_rows)
+        rows = max(rows, module.dot_max_rows)
+        return (*args, module.dot_max_rows, packed, dense_dtype, module.bias), rows
+    if isinstance(module, TrunkLinear) and module.packed is not None:
+        spec = (None, None, None, 0, 0, 0, 0, module.packed, module.weight.dtype, module.bias)
+        return spec, float("inf")
+    return None
