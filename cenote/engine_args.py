@@ -334,6 +334,11 @@ class EngineArgs:
                 f"speculative_config needs a model that generates; {model_config.architecture} "
                 "does not"
             )
+        if speculative is not None and speculative.method == "draft_model":
+            from cenote.spec_decode.draft_model import read_draft_model  # loads a runner
+
+            draft = read_draft_model(model_config, speculative)
+            speculative = dataclasses.replace(speculative, draft_model_config=draft)
         budget = self.max_num_batched_tokens
         on_cuda = device == "cuda"
         if budget is None:
