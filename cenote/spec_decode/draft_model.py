@@ -188,7 +188,9 @@ class DraftModelProposer:
             while valid < end and seen[valid] == target[valid]:
                 valid += 1
             request = sequence.request
-            request.num_computed_tokens = min(request.num_computed_tokens, valid)
+            # the last token is always fed again: its logits give the first draft (the cache
+            # may hold it already, when the target kept fewer drafts than were fed)
+            request.num_computed_tokens = min(request.num_computed_tokens, valid, len(target) - 1)
             request.prompt_token_ids = target
         sequence.num_synced = len(query.token_ids)
         return sequence
