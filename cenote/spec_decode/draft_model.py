@@ -138,6 +138,7 @@ class DraftModelProposer:
         has no room (drafts never take blocks from other requests) or past ``max_model_len``."""
         drafts: list[list[int]] = [[] for _ in queries]
         active: list[tuple[int, _DraftSequence, int]] = []  # (query index, sequence, k)
+        # 1) roll each request back to what the target kept; slots for catch-up and drafts
         for index, query in enumerate(queries):
             # the draft feeds its first k - 1 drafts: positions up to len + k - 2
             k = min(query.num_tokens, self.max_model_len - len(query.token_ids))
@@ -204,6 +205,7 @@ class DraftModelProposer:
         for index, sequence in pending:
             request = sequence.request
             num_left = request.num_tokens - request.num_computed_tokens
+            assert num_left > 0  # _sync leaves the last token to feed
             num_new = min(num_left, budget)
             if num_new <= 0:
                 behind.append((index, sequence))
