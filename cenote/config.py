@@ -186,9 +186,16 @@ class CacheConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
 
 
-SpeculativeMethod = Literal["ngram"]
-_SPECULATIVE_METHODS = ("ngram",)
-_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+SpeculativeMethod = Literal["ngram", "draft_model"]
+_SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "model",
+    "num_draft_blocks",
+)
 
 
 @dataclass(frozen=True)
@@ -196,12 +203,19 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config``): each step proposes up to
     ``num_speculative_tokens`` draft tokens per generating request and the model verifies them
     in the same pass. ``ngram``: the tokens that followed the latest earlier occurrence of the
-    sequence's last ``n`` tokens, ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
+    sequence's last ``n`` tokens, ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``.
+    ``draft_model``: a second, smaller decoder (``model``: folder or GGUF, the target's
+    vocabulary) drafts greedily, with a KV cache of its own of ``num_draft_blocks`` blocks (None:
+    as many as the target's cache, so it holds every token the target holds)."""
 
     method: SpeculativeMethod = "ngram"
     num_speculative_tokens: int = 4  # drafted tokens per request and step, at most
     prompt_lookup_min: int = 2  # shortest suffix looked up
     prompt_lookup_max: int = 4  # longest suffix looked up (tried first)
+    model: str | None = None  # draft_model: the draft's folder or GGUF file
+    num_draft_blocks: int | None = None  # draft_model: its KV blocks; None: the target's number
+    # draft_model: the draft read once at the edge (EngineArgs.create_engine_config)
+    draft_model_config: ModelConfig | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in _SPECULATIVE_METHODS:
@@ -220,11 +234,25 @@ class SpeculativeConfig:
                 f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is above "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config method draft_model needs a model (the draft's folder or "
+                f"GGUF file) and only it reads one; got method {self.method!r}, model "
+                f"{self.model!r}"
+            )
+        blocks = self.num_draft_blocks
+        if blocks is not None and (
+            isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1
+        ):
+            raise ValueError(
+                f"speculative_config num_draft_blocks must be a positive integer, got {blocks!r}"
+            )
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
         """From ``--speculative-config`` JSON / ``LLM(speculative_config=...)``. As in vLLM, a
-        lookup bound given alone sets the other (neither: 2 to 4)."""
+        lookup bound given alone sets the other (neither: 2 to 4), and a ``model`` without a
+        method means ``draft_model``."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         unknown = set(value) - set(_SPECULATIVE_KEYS)
@@ -233,11 +261,15 @@ class SpeculativeConfig:
                 f"unknown speculative_config keys {sorted(unknown)}; known: "
                 f"{', '.join(_SPECULATIVE_KEYS)}"
             )
-        if "method" not in value:
+        options = dict(value)
+        if "method" not in options and options.get("model") is not None:
+            options["method"] = "draft_model"
+        if "method" not in options:
             raise ValueError(
                 f"speculative_config needs a method; supported: {', '.join(_SPECULATIVE_METHODS)}"
             )
-        options = dict(value)
+        if options.get("model") is not None:
+            options["model"] = str(options["model"])
         low, high = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
         if low is None and high is not None:
             options["prompt_lookup_min"] = high

@@ -244,8 +244,10 @@ class EngineArgs:
         'speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}: each step drafts up to '
         "num_speculative_tokens tokens per generating request (ngram: what followed the last "
-        "prompt_lookup_max..min tokens earlier in the prompt and output) and verifies them in "
-        "the same pass; greedy output is unchanged, sampled output keeps its distribution",
+        "prompt_lookup_max..min tokens earlier in the prompt and output; or a draft model: "
+        '{"model": PATH, "num_speculative_tokens": 3}, a smaller decoder with the same '
+        "tokenizer, optional num_draft_blocks for its KV cache) and verifies them in the same "
+        "pass; greedy output is unchanged, sampled output keeps its distribution",
         shown="none",
     )
     seed: int = option(
@@ -334,6 +336,11 @@ class EngineArgs:
                 f"speculative_config needs a model that generates; {model_config.architecture} "
                 "does not"
             )
+        if speculative is not None and speculative.method == "draft_model":
+            from cenote.spec_decode.draft_model import read_draft_model  # loads a runner
+
+            draft = read_draft_model(model_config, speculative)
+            speculative = dataclasses.replace(speculative, draft_model_config=draft)
         budget = self.max_num_batched_tokens
         on_cuda = device == "cuda"
         if budget is None:

@@ -39,6 +39,7 @@ from cenote.runner.memory_profile import graph_reserve_bytes, profile_step_peak
 from cenote.runner.model_runner import ModelRunner
 from cenote.scheduler.output import SchedulerOutput
 from cenote.scheduler.scheduler import Scheduler
+from cenote.spec_decode.draft_model import DraftModelProposer
 from cenote.structured.grammar import GrammarCompiler
 from cenote.tasks import PoolingTask, SupportedTask
 
@@ -96,11 +97,21 @@ class EngineCore:
             prefix_cacheable_tasks=cacheable,
             max_model_len=model_config.max_model_len,
             speculative=config.speculative,
+            proposer=self._draft_proposer(kv_manager),
         )
         self.capabilities = self._capabilities(entry.tasks, pooler)
         self._consecutive_failures = 0
         self._grammars: GrammarCompiler | None = None  # built by the first structured request
         self._compiling: dict[str, Request] = {}  # requests waiting for their grammar, in order
+
+    def _draft_proposer(self, kv_manager: KVCacheManager | None) -> DraftModelProposer | None:
+        """``method: draft_model``: the draft model, loaded beside the target; None otherwise
+        (n-gram drafts need no model)."""
+        speculative = self.config.speculative
+        if speculative is None or speculative.method != "draft_model":
+            return None
+        assert kv_manager is not None  # create_engine_config: speculation needs a decoder
+        return DraftModelProposer(self.config, kv_manager.num_blocks)
 
     def _capabilities(
         self, tasks: tuple[SupportedTask, ...], pooler: DispatchPooler | None

@@ -406,7 +406,9 @@ def lora_shrink_expand(
     ):
         kernels.lora_shrink_expand(out, x, a, b, row_starts, row_ends, col_starts, scales)
         return
-    for a_s, b_s, r0, r1, c0, scale in zip(a, b, row_starts, row_ends, col_starts, scales):
+    for a_s, b_s, r0, r1, c0, scale in zip(
+        a, b, row_starts, row_ends, col_starts, scales, strict=True
+    ):
         update = (x[r0:r1].float() @ a_s.float().t()) @ b_s.float().t()
         target = out[r0:r1, c0 : c0 + b_s.shape[0]]
         target.copy_((target.float() + scale * update).to(out.dtype))

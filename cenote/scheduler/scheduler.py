@@ -15,6 +15,7 @@ from cenote.runner.output import ModelRunnerOutput
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
 from cenote.spec_decode.ngram import NgramProposer
 from cenote.spec_decode.pacing import DraftPacing
+from cenote.spec_decode.proposer import DraftQuery, Proposer
 from cenote.structured.grammar import RequestGrammar
 from cenote.tasks import PoolingTask
 
@@ -32,6 +33,7 @@ class Scheduler:
         ] = frozenset(),  # pooling tasks that read only the last token
         max_model_len: int = 1 << 30,  # generation stops here
         speculative: SpeculativeConfig | None = None,  # None: no draft tokens
+        proposer: Proposer | None = None,  # the drafts' source; None: n-gram lookup
     ) -> None:
         # encoders have no KV cache and their prompts are computed whole (create_engine_config
         # turns chunked prefill off for them, which is what EngineConfig checks the budget by)
@@ -46,7 +48,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished_request_ids: set[str] = set()
         self.speculative = speculative
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        if proposer is None and speculative is not None:
+            proposer = NgramProposer(speculative)
+        self.proposer = proposer
         self.num_draft_tokens = 0  # drafted since the last take_spec_decode_counts()
         self.num_accepted_tokens = 0  # of those, accepted
 
@@ -94,6 +98,8 @@ class Scheduler:
         request.status = status
         if self.kv_cache_manager is not None:
             self.kv_cache_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         self.finished_request_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -145,7 +151,9 @@ class Scheduler:
         preempted: list[str] = []
         now = time.monotonic()
 
-        # 1) running requests: decode tokens and continuing prompt chunks
+        # 1) running requests: decode tokens and continuing prompt chunks, drafts proposed
+        #    for all decoding ones at once (a draft model runs them as one batch)
+        proposed = self._propose_drafts(budget)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -154,7 +162,7 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            drafts = self._drafts(request, num_new, budget)
+            drafts = proposed.get(request.request_id, [])[: budget - 1] if num_new == 1 else []
             if drafts and not self._allocate_drafts(request, num_new + len(drafts)):
                 drafts = []  # drafts never preempt anybody
             if drafts:
@@ -196,27 +204,39 @@ class Scheduler:
         self.finished_request_ids = set()
         return output
 
-    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """Draft tokens to verify after a decoding request's one new token: none unless
-        speculation is on, the request samples freely (structured outputs are never drafted
-        for), its pacing allows, and the budget, max_tokens and max_model_len leave room for
-        every draft token plus the token verification always adds."""
-        if self.proposer is None or self.speculative is None or num_new != 1:
-            return []
+    def _propose_drafts(self, budget: int) -> dict[str, list[int]]:
+        """Draft tokens of the running requests that decode, by request id (cut later to the
+        budget each finds left). A request is drafted for when speculation is on, it samples
+        freely (structured outputs are never drafted for), its pacing allows, and
+        ``max_tokens`` and ``max_model_len`` leave room for every draft token plus the token
+        verification always adds."""
+        if self.proposer is None or self.speculative is None:
+            return {}
+        queries = []
+        for request in self.running:
+            limit = self._draft_limit(request, budget)
+            if limit > 0:
+                queries.append(DraftQuery(request.request_id, request.all_token_ids, limit))
+        if not queries:
+            return {}
+        drafts = self.proposer.propose_batch(queries)
+        return {q.request_id: d for q, d in zip(queries, drafts, strict=True) if d}
+
+    def _draft_limit(self, request: Request, budget: int) -> int:
+        """How many tokens to draft for ``request`` this step (0: none)."""
+        assert self.speculative is not None
         params = request.sampling_params
         if params is None or request.grammar is not None:
-            return []
+            return 0
         if request.num_tokens - request.num_computed_tokens != 1:
-            return []  # still computing the prompt
+            return 0  # still computing the prompt
         pacing = request.draft_pacing
         if pacing is None:
             pacing = request.draft_pacing = DraftPacing(self.speculative.num_speculative_tokens)
         limit = min(pacing.next_length(), budget - 1, self.max_model_len - request.num_tokens - 1)
         if params.max_tokens is not None:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
-        if limit <= 0:
-            return []
-        return self.proposer.propose(request.all_token_ids, limit)
+        return limit
 
     def _allocate_drafts(self, request: Request, num_new: int) -> bool:
         manager = self.kv_cache_manager
@@ -297,6 +317,8 @@ class Scheduler:
         assert self.kv_cache_manager is not None, "only requests holding KV blocks are preempted"
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self._enqueue(request, front=True)

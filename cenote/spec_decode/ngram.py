@@ -8,6 +8,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from cenote.config import SpeculativeConfig
+from cenote.spec_decode.proposer import DraftQuery
 
 
 class NgramProposer:
@@ -43,3 +44,10 @@ class NgramProposer:
             follow = int(matches[-1]) + n
             return [int(t) for t in tokens[follow : follow + num_tokens]]
         return []
+
+    def propose_batch(self, queries: list[DraftQuery]) -> list[list[int]]:
+        """``propose`` for each request (no state across steps)."""
+        return [self.propose(q.token_ids, q.num_tokens) for q in queries]
+
+    def release(self, request_id: str) -> None:
+        """Nothing held per request."""
