@@ -157,6 +157,33 @@ def test_preemption_and_abort_free_the_draft_cache(models, reference) -> None:
 # ---- the proposer: catch-up and roll-back ---------------------------------------------------
 
 
+def test_a_failing_draft_model_turns_speculation_off_not_the_engine(
+    models, reference, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A draft step that raises (the draft model's runner failing) leaves every request's
+    output as plain decoding gives it, logs why, and drafts no more; the engine serves on."""
+    target, small, _ = models
+    llm = make_llm(target, block_size=4, speculative_config=_spec(small))
+    proposer = llm.engine.scheduler.proposer
+    calls = 0
+
+    def fail_on_the_third(queries):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("draft runner failed")
+        return type(proposer).propose_batch(proposer, queries)
+
+    monkeypatch.setattr(proposer, "propose_batch", fail_on_the_third)
+    with caplog.at_level("ERROR", logger="cenote.scheduler.scheduler"):
+        outs = llm.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
+    _assert_same([o.outputs[0] for o in outs], reference)
+    assert calls == 3 and llm.engine.scheduler.proposer is None
+    assert "the draft proposer failed; drafting is off" in caplog.text
+    (again,) = llm.generate(token_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False)
+    _assert_same([again.outputs[0]], reference[:1])
+
+
 def test_drafts_are_the_draft_models_greedy_continuation_after_a_rollback(models) -> None:
     """Each step's drafts equal the small model's own greedy continuation of the context, after
     the target kept some drafts and replaced the next (the draft cache rolls back), for two

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -18,6 +19,8 @@ from cenote.spec_decode.pacing import DraftPacing
 from cenote.spec_decode.proposer import DraftQuery, Proposer
 from cenote.structured.grammar import RequestGrammar
 from cenote.tasks import PoolingTask
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -219,7 +222,17 @@ class Scheduler:
                 queries.append(DraftQuery(request.request_id, request.all_token_ids, limit))
         if not queries:
             return {}
-        drafts = self.proposer.propose_batch(queries)
+        try:
+            drafts = self.proposer.propose_batch(queries)
+        except Exception:
+            # drafts only ever save time: a failing proposer (a draft model's step raising)
+            # must not fail the step or the engine; the requests go on without speculation
+            logger.exception(
+                "speculative decoding: the draft proposer failed; drafting is off from here on "
+                "(every request goes on decoding without drafts)"
+            )
+            self.proposer = None
+            return {}
         return {q.request_id: d for q, d in zip(queries, drafts, strict=True) if d}
 
     def _draft_limit(self, request: Request, budget: int) -> int:
