@@ -10,6 +10,7 @@ import pytest
 import torch
 from factories.decoders import make_byte_level_decoder, make_decoder
 from factories.generation import (
+    assert_same_completions,
     make_llm,
     random_prompts,
     record_steps,
@@ -226,17 +227,6 @@ def reference(plain) -> list:
     return [o.outputs[0] for o in plain.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)]
 
 
-def _assert_same(outs, refs) -> None:
-    for out, ref in zip(outs, refs, strict=True):
-        assert out.token_ids == ref.token_ids
-        assert out.text == ref.text
-        assert out.finish_reason == ref.finish_reason
-        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
-        for x, y in zip(out.logprobs, ref.logprobs, strict=True):
-            assert x.keys() == y.keys()
-            assert all(abs(x[t].logprob - y[t].logprob) <= LOGPROB_ATOL for t in x)
-
-
 def _num_drafts(steps) -> int:
     return sum(len(s.draft_token_ids) for step in steps for s in step.scheduled)
 
@@ -246,7 +236,7 @@ def test_greedy_is_token_identical_alone(spec, reference) -> None:
     for prompt, ref in zip(PROMPTS, reference, strict=True):
         steps = record_steps(spec)
         (out,) = spec.generate(token_prompts([prompt]), GREEDY, use_tqdm=False)
-        _assert_same([out.outputs[0]], [ref])
+        assert_same_completions([out.outputs[0]], [ref], LOGPROB_ATOL)
         assert len(steps) < MAX_NEW  # drafts were accepted: fewer steps than tokens
     metrics = spec.spec_decode_metrics()
     assert metrics.num_draft_tokens > before.num_draft_tokens
@@ -265,7 +255,7 @@ def test_greedy_is_token_identical_batched_with_prefills_and_sampling(folder, re
     sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=MAX_NEW)
     prompts = [*PROMPTS, PROMPTS[0][:9]]
     outs = llm.generate(token_prompts(prompts), [GREEDY, GREEDY, GREEDY, sampled], use_tqdm=False)
-    _assert_same([o.outputs[0] for o in outs[:3]], reference)
+    assert_same_completions([o.outputs[0] for o in outs[:3]], reference, LOGPROB_ATOL)
     assert len(outs[3].outputs[0].token_ids) == MAX_NEW
     mixed = [
         step

@@ -12,7 +12,13 @@ import pytest
 import torch
 from factories.decoders import make_decoder
 from factories.encoders import make_encoder
-from factories.generation import make_llm, random_prompts, record_steps, token_prompts
+from factories.generation import (
+    assert_same_completions,
+    make_llm,
+    random_prompts,
+    record_steps,
+    token_prompts,
+)
 
 from cenote import SamplingParams
 from cenote.config import SpeculativeConfig
@@ -55,16 +61,6 @@ def small_spec(models):
     return make_llm(target, block_size=4, speculative_config=_spec(small))
 
 
-def _assert_same(outs, refs) -> None:
-    for out, ref in zip(outs, refs, strict=True):
-        assert out.token_ids == ref.token_ids
-        assert out.finish_reason == ref.finish_reason
-        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
-        for x, y in zip(out.logprobs, ref.logprobs, strict=True):
-            assert x.keys() == y.keys()
-            assert all(abs(x[t].logprob - y[t].logprob) <= LOGPROB_ATOL for t in x)
-
-
 def _assert_draft_cache_empty(llm) -> None:
     proposer = llm.engine.scheduler.proposer
     assert proposer.sequences == {}
@@ -79,7 +75,7 @@ def test_target_as_its_own_draft_is_accepted_and_identical(models, reference) ->
     llm = make_llm(target, block_size=4, speculative_config=_spec(target))
     steps = record_steps(llm)
     outs = llm.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
-    _assert_same([o.outputs[0] for o in outs], reference)
+    assert_same_completions([o.outputs[0] for o in outs], reference, LOGPROB_ATOL, check_text=False)
     metrics = llm.spec_decode_metrics()
     assert metrics.num_draft_tokens > MAX_NEW
     assert metrics.acceptance_rate >= 0.95  # the same weights: only fp32 near-ties may differ
@@ -92,7 +88,7 @@ def test_small_draft_is_identical_alone(small_spec, reference) -> None:
     before = small_spec.spec_decode_metrics()
     for prompt, ref in zip(PROMPTS, reference, strict=True):
         (out,) = small_spec.generate(token_prompts([prompt]), GREEDY, use_tqdm=False)
-        _assert_same([out.outputs[0]], [ref])
+        assert_same_completions([out.outputs[0]], [ref], LOGPROB_ATOL, check_text=False)
     metrics = small_spec.spec_decode_metrics()
     assert metrics.num_draft_tokens > before.num_draft_tokens  # drafted, mostly rejected
     _assert_draft_cache_empty(small_spec)
@@ -112,7 +108,9 @@ def test_identical_batched_with_chunked_prompts_and_sampling(models, reference) 
     prompts = [*PROMPTS, long_prompt]
     params = [GREEDY, GREEDY, GREEDY, sampled]
     outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
-    _assert_same([o.outputs[0] for o in outs[:3]], reference)
+    assert_same_completions(
+        [o.outputs[0] for o in outs[:3]], reference, LOGPROB_ATOL, check_text=False
+    )
     assert len(outs[3].outputs[0].token_ids) == MAX_NEW
     mixed = [
         step
@@ -140,7 +138,7 @@ def test_preemption_and_abort_free_the_draft_cache(models, reference) -> None:
     )  # fmt: skip
     steps = record_steps(llm)
     outs = llm.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
-    _assert_same([o.outputs[0] for o in outs], reference)
+    assert_same_completions([o.outputs[0] for o in outs], reference, LOGPROB_ATOL, check_text=False)
     assert any(step.preempted_request_ids for step in steps)
     _assert_draft_cache_empty(llm)
     ids = ["a", "b"]
@@ -177,11 +175,11 @@ def test_a_failing_draft_model_turns_speculation_off_not_the_engine(
     monkeypatch.setattr(proposer, "propose_batch", fail_on_the_third)
     with caplog.at_level("ERROR", logger="cenote.scheduler.scheduler"):
         outs = llm.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
-    _assert_same([o.outputs[0] for o in outs], reference)
+    assert_same_completions([o.outputs[0] for o in outs], reference, LOGPROB_ATOL, check_text=False)
     assert calls == 3 and llm.engine.scheduler.proposer is None
     assert "the draft proposer failed; drafting is off" in caplog.text
     (again,) = llm.generate(token_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False)
-    _assert_same([again.outputs[0]], reference[:1])
+    assert_same_completions([again.outputs[0]], reference[:1], LOGPROB_ATOL, check_text=False)
 
 
 def test_drafts_are_the_draft_models_greedy_continuation_after_a_rollback(models) -> None:

@@ -42,6 +42,20 @@ def token_prompts(prompts: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": list(p)} for p in prompts]
 
 
+def assert_same_completions(outs, refs, atol: float, check_text: bool = True) -> None:
+    """Completions token for token equal to the reference's, same finish reasons, every
+    position's top logprobs over the same tokens and within ``atol``."""
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.token_ids == ref.token_ids
+        if check_text:
+            assert out.text == ref.text
+        assert out.finish_reason == ref.finish_reason
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+        for x, y in zip(out.logprobs, ref.logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) <= atol for t in x)
+
+
 def make_llm(folder: Path, **kwargs):
     from cenote import LLM
 
