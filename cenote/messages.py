@@ -96,3 +96,20 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
+
+
+# a finished pooling request's result: a tensor, or a task -> tensor map (a multi-task request)
+PoolerResult = torch.Tensor | dict[str, torch.Tensor]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns for one step: sampled tokens *and* pooler outputs."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request -> new tokens
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # for the sampled tokens
+    prompt_logprobs: dict[str, LogprobsLists] = field(
+        default_factory=dict
+    )  # this step's prompt rows
+    # finished pooling requests: a tensor, or a task -> tensor map (a multi-task request)
+    pooler_output: dict[str, PoolerResult] = field(default_factory=dict)

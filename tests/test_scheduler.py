@@ -13,9 +13,9 @@ import torch
 
 from cenote.config import CacheConfig, SchedulerConfig
 from cenote.kv_cache.manager import KVCacheManager
+from cenote.messages import ModelRunnerOutput
 from cenote.pooling_params import PoolingParams
 from cenote.request import Request, RequestStatus
-from cenote.runner.output import ModelRunnerOutput
 from cenote.sampling_params import SamplingParams
 from cenote.scheduler.output import SchedulerOutput
 from cenote.scheduler.scheduler import Scheduler

@@ -10,9 +10,8 @@ from collections.abc import Iterable
 from cenote.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from cenote.kv_cache.block_pool import KVCacheBlock
 from cenote.kv_cache.manager import KVCacheManager
-from cenote.messages import EngineCoreOutput, LogprobsLists
+from cenote.messages import EngineCoreOutput, LogprobsLists, ModelRunnerOutput
 from cenote.request import FINISH_REASONS, Request, RequestStatus
-from cenote.runner.output import ModelRunnerOutput
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
 from cenote.spec_decode.ngram import NgramProposer
 from cenote.spec_decode.pacing import DraftPacing
