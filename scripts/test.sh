@@ -19,7 +19,7 @@ python3 -m venv .venv
   done
 ) > .venv/kernel-prebuild.log 2>&1 &
 prebuild=$!
-trap 'pkill -P $prebuild 2>/dev/null; kill $prebuild 2>/dev/null || true' EXIT
+trap 'pkill -P $prebuild 2>/dev/null || true; kill $prebuild 2>/dev/null || true' EXIT
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy  # strict type check of cenote/ (pyproject.toml [tool.mypy])
