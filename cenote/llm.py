@@ -288,6 +288,7 @@ class LLM:
         rerank_chunking: Literal["max"] | None = None,
         chunk_overlap: int = 0,
         weights_for_different_modes: Sequence[float] | None = None,
+        lora_task: str | None = None,
     ) -> list[PoolingRequestOutput[ScoringOutput]]:
         """Relevance of each (text_1, text_2) pair (1 -> 1, 1 -> N, N -> N), in input order.
         Classifiers score pairs as cross-encoders (``pooling_params.use_activation``: the
@@ -302,13 +303,18 @@ class LLM:
         ``weights_for_different_modes`` ``[w_dense, w_sparse, w_colbert]`` (BGE-M3; its card
         uses ``[0.4, 0.2, 0.4]``): each text's dense, sparse and ColBERT outputs come from one
         pass and the score is FlagEmbedding's ``compute_score`` "colbert+sparse+dense", their
-        scores' weighted mean."""
+        scores' weighted mean. ``lora_task`` (or ``pooling_params.lora_task``; the keyword wins),
+        Jina v3's per-task adapters: one task's adapter embeds both sides ("text-matching");
+        "retrieval" embeds text_1 under "retrieval.query" and text_2 under "retrieval.passage",
+        as the model card pairs them."""
         if rerank_chunking not in (None, "max"):
             raise InvalidInputError(
                 f"rerank_chunking must be 'max' or None, got {rerank_chunking!r}"
             )
         pairs = scoring.pair_inputs(text_1, text_2)
-        (params,) = _bind([pooling_params or PoolingParams()], truncate_prompt_tokens)
+        (params,) = _bind(
+            [pooling_params or PoolingParams()], truncate_prompt_tokens, lora_task=lora_task
+        )
         plan = scoring.plan_scores(
             self.input_processor, self._next_id(), pairs, params,
             max_tokens_per_doc=max_tokens_per_doc, instruction=instruction,

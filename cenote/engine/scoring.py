@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from cenote.engine.chat import render_template
-from cenote.engine.input_processor import InputProcessor, ParentRequest
+from cenote.engine.input_processor import InputProcessor, ParentRequest, assign_adapter
 from cenote.errors import InvalidInputError, UnsupportedTaskError
 from cenote.inputs import ImagePrompt, PromptType
+from cenote.lora.request import LoRARequest
+from cenote.lora.tasks import score_tasks
 from cenote.outputs import MultiTaskOutput, PoolingRequestOutput, ScoringOutput
 from cenote.pooling_params import PoolingParams
 from cenote.tasks import PoolingTask, PoolingTaskSelection
@@ -273,18 +275,23 @@ def plan_scores(
     priority: int = 0,
     chunk_overlap: int | None = None,
     mode_weights: Sequence[float] | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> ScorePlan:
     """The requests (ids ``{request_id}-{i}``) that score ``pairs`` on the processor's model.
     ``params``: the caller's options (``truncate_prompt_tokens`` and ``truncation_side`` cut
     whole prompts — for a cross-encoder pair, the document side; ``use_activation`` for
-    cross-encoders); the task is scoring's. ``max_tokens_per_doc`` cuts documents only (0: no
+    cross-encoders; ``lora_task``: a per-task adapter for both sides, or "retrieval" for
+    retrieval.query on queries and retrieval.passage on documents, ``lora.tasks.score_tasks``);
+    the task is scoring's. ``max_tokens_per_doc`` cuts documents only (0: no
     cut; rerank's default: 4096, Cohere's). ``fit_documents`` (rerank, as Cohere and Jina):
     documents too long for the model are cut to fit, queries are kept whole. ``chunk_overlap``
     (cross-encoders; rerank_chunking "max"): a document is read in windows that overlap by this
     many tokens, the query whole in each, and scores as its best window. ``mode_weights``
     (models serving embed, embed_sparse and token_embed: BGE-M3): each text's three outputs
     from one pass, combined as FlagEmbedding's ``compute_score`` with
-    ``weights_for_different_modes``. Errors name the query or document at fault by its index."""
+    ``weights_for_different_modes``. ``lora_request``: the adapter (a served model's) every
+    request runs under; it cannot be combined with ``lora_task``. Errors name the query or
+    document at fault by its index."""
     processor.check_task("score")
     if mode_weights is not None:
         weights = check_mode_weights(mode_weights)
@@ -307,7 +314,13 @@ def plan_scores(
         max_tokens_per_doc = None
     elif max_tokens_per_doc is None and fit_documents:
         max_tokens_per_doc = COHERE_MAX_TOKENS_PER_DOC
-    plan = _Planner(processor, request_id, params, max_tokens_per_doc, fit_documents, priority)
+    side_tasks: tuple[str | None, str | None] = (None, None)
+    if params.lora_task is not None:
+        side_tasks = score_tasks(processor.model_config, params.lora_task)
+    plan = _Planner(
+        processor, request_id, params, max_tokens_per_doc, fit_documents, priority, side_tasks,
+        lora_request,
+    )  # fmt: skip
     if processor.capabilities.score_type == "cross_encoder":
         text_pairs = _text_pairs(pairs)
         if chunk_overlap is not None:
@@ -349,6 +362,8 @@ class _Planner:
     max_tokens_per_doc: int | None
     fit_documents: bool
     priority: int
+    side_tasks: tuple[str | None, str | None]  # the per-task adapters of queries, documents
+    lora_request: LoRARequest | None  # the adapter every request runs under (None: the base)
 
     def _requests(
         self, prompts: Sequence[PromptType], params: PoolingParams, first: int, **options: Any
@@ -356,7 +371,9 @@ class _Planner:
         """The requests of ``prompts``, tokenized once; the processor refuses a prompt too long
         for the model, named by ``options``' label and index ("document 3 has 302 tokens")."""
         ids = [f"{self.request_id}-{first + i}" for i in range(len(prompts))]
-        return self.processor.process_batch(ids, prompts, params, priority=self.priority, **options)
+        return self.processor.process_batch(
+            ids, prompts, params, priority=self.priority, lora_request=self.lora_request, **options
+        )
 
     def _check_one_label(self) -> None:
         num_labels = self.processor.capabilities.num_labels
@@ -408,6 +425,7 @@ class _Planner:
             max_tokens_per_doc=self.max_tokens_per_doc,
         )  # fmt: skip
         requests = [request for pair in windows for request in pair]
+        assign_adapter(requests, self.lora_request)
         rows, first = [], 0
         for pair in windows:
             rows.append(list(range(first, first + len(pair))))
@@ -442,10 +460,13 @@ class _Planner:
         if self.fit_documents and doc_truncate is None:
             doc_truncate = -1
         side = self.params.truncation_side
+        query_task, document_task = self.side_tasks
         query_params = PoolingParams(
-            task=task, truncate_prompt_tokens=truncate, truncation_side=side
+            task=task, truncate_prompt_tokens=truncate, truncation_side=side, lora_task=query_task
         )
-        document_params = dataclasses.replace(query_params, truncate_prompt_tokens=doc_truncate)
+        document_params = dataclasses.replace(
+            query_params, truncate_prompt_tokens=doc_truncate, lora_task=document_task
+        )
         # 1) distinct queries (1 -> N embeds the query once), named by their first pair
         first_pair: dict[object, int] = {}
         for j, (query, _) in enumerate(pairs):

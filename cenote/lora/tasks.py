@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 TASK_ADAPTER_ID_BASE = 1 << 40  # task i of the checkpoint is adapter id BASE + i
 TASK_ADAPTER_ARCHITECTURES = ("XLMRobertaLoRA",)
+# scoring's name for asymmetric retrieval: queries under the first adapter, documents the second
+RETRIEVAL_TASK = "retrieval"
+RETRIEVAL_SIDES = ("retrieval.query", "retrieval.passage")
 
 
 def task_adapter_names(architecture: str, hf_config: dict[str, Any]) -> tuple[str, ...]:
@@ -60,6 +63,28 @@ def task_lora_request(model_config: ModelConfig, task: str) -> LoRARequest:
         )
     index = names.index(task)
     return LoRARequest(task, TASK_ADAPTER_ID_BASE + index, f"{model_config.path}#task={task}")
+
+
+def score_tasks(model_config: ModelConfig, task: str) -> tuple[str, str]:
+    """The adapters a score or rerank call with ``task`` runs its queries and its documents
+    under. An adapter name applies to both sides (``text-matching``: symmetric similarity, as
+    the model card says). ``"retrieval"`` is asymmetric retrieval as jina-embeddings-v3's card
+    prescribes it: ``retrieval.query`` (and its instruction) for the queries,
+    ``retrieval.passage`` for the documents; a query compared to passages embedded under the
+    same query adapter is not what the model was trained for. Anything else is a 400 naming
+    the model's tasks (or saying it has none)."""
+    names = task_adapter_names(model_config.architecture, model_config.hf_config)
+    if task == RETRIEVAL_TASK and task not in names and set(RETRIEVAL_SIDES) <= set(names):
+        return RETRIEVAL_SIDES
+    if names and task not in names:
+        raise InvalidInputError(
+            f"task {task!r} is not one of {model_config.served_model_name}'s adapters; it has "
+            f"{', '.join(names)}, and scoring also takes {RETRIEVAL_TASK!r} "
+            f"({RETRIEVAL_SIDES[0]} for queries, {RETRIEVAL_SIDES[1]} for documents)",
+            param="task",
+        )
+    task_lora_request(model_config, task)  # a model without task adapters: says it has none
+    return task, task
 
 
 def is_task_adapter(lora_int_id: int) -> bool:

@@ -260,6 +260,17 @@ class _PoolingBody(_ChatInput):
         )
 
 
+def one_adapter_task(task: str | None, lora_task: str | None) -> str | None:
+    """The per-task adapter a body names as Jina's ``task`` or cenote's ``lora_task`` (400 when
+    both are given and differ)."""
+    if task is not None and lora_task is not None and task != lora_task:
+        raise InvalidInputError(
+            f"task {task!r} and lora_task {lora_task!r} name different adapters; pass one",
+            param="task",
+        )
+    return task if task is not None else lora_task
+
+
 class EmbeddingRequest(_PoolingBody):
     """POST /v1/embeddings."""
 
@@ -267,13 +278,7 @@ class EmbeddingRequest(_PoolingBody):
     task: str | None = None
 
     def adapter_task(self) -> str | None:
-        if self.task is not None and self.lora_task is not None and self.task != self.lora_task:
-            raise InvalidInputError(
-                f"task {self.task!r} and lora_task {self.lora_task!r} name different "
-                "adapters; pass one",
-                param="task",
-            )
-        return self.task if self.task is not None else self.lora_task
+        return one_adapter_task(self.task, self.lora_task)
 
     # cenote extension: sparse (SPLADE) models answer {"indices": [...], "values": [...]}
     sparse: bool = False
@@ -314,6 +319,11 @@ class _ScoringBody(_Body):
     # cenote extension (BGE-M3): [w_dense, w_sparse, w_colbert] — each text's three outputs
     # from one pass, scored as FlagEmbedding's compute_score "colbert+sparse+dense"
     weights_for_different_modes: ModeWeights | None = None
+    # Jina v3's per-task adapter for embedding-model scores, as /v1/embeddings names it (Jina's
+    # ``task``, or ``lora_task``): one adapter for both sides, or "retrieval" for
+    # retrieval.query on queries and retrieval.passage on documents (lora.tasks.score_tasks)
+    task: str | None = None
+    lora_task: str | None = None
 
     def window_overlap(self) -> int | None:
         """Chunk-and-max reranking's window overlap; None: documents are not chunked."""
@@ -325,6 +335,7 @@ class _ScoringBody(_Body):
             use_activation=self.use_activation,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             truncation_side=self.truncation_side,
+            lora_task=one_adapter_task(self.task, self.lora_task),
         )
 
 

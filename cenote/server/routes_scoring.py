@@ -14,7 +14,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from cenote.engine.input_processor import assign_adapter
 from cenote.engine.scoring import ScoreItem, ScorePlan, pair_score_inputs, plan_scores
 from cenote.outputs import PoolingRequestOutput
 from cenote.server import timing
@@ -240,9 +239,8 @@ def _prepare(
         max_tokens_per_doc=body.max_tokens_per_doc, instruction=body.instruction,
         fit_documents=fit_documents, priority=body.priority,
         chunk_overlap=body.window_overlap(),
-        mode_weights=body.weights_for_different_modes,
+        mode_weights=body.weights_for_different_modes, lora_request=adapter,
     )  # fmt: skip
-    assign_adapter(plan.requests, adapter)
     state.check_capacity(len(plan.requests))
     state.check_request_tokens(sum(len(r.prompt_token_ids) for r in plan.requests))
     return plan, request_id
