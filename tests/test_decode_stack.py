@@ -1,7 +1,7 @@
 """The C++ decode stack (cenote/kernels/decode_stack.cpp) against the Python layer loop it
 replaces (``LlamaModel.forward``'s layer loop): bit-identical tokens and logprobs, on tiny quantized
-and dense decoders (GQA, q/k/v biases, sliding-window layers next to full ones) and on SmolLM2's
-GGUF."""
+and dense decoders (GQA, q/k/v biases, sliding-window layers next to full ones), with LoRA
+adapters written by ``peft`` mixed in one step, and on SmolLM2's GGUF."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories.decoders import GENERATION_DECODER, save_generation_decoder
+from factories.decoders import GENERATION_DECODER, make_decoder, save_generation_decoder
 from factories.generation import make_llm, random_prompts, token_prompts
+from factories.lora import write_adapter
 from factories.seeded import hf_config, random_model
 
-from cenote import SamplingParams
+from cenote import LoRARequest, SamplingParams
 from cenote.kernels import attention_ops, quant_ops
+from cenote.models.layers import lora
 from cenote.models.layers.linear import pack_weight
 from cenote.models.layers.quant import DOT_MAX_ROWS, DOT_MAX_ROWS_WITH_COPY, QuantLinear
 from cenote.models.llama import LlamaModel
@@ -47,24 +49,28 @@ def _trunk(llm) -> LlamaModel:
     return trunk
 
 
-def _run(llm, prompts, params, *, stack: bool, monkeypatch: pytest.MonkeyPatch):
-    calls = []
+def _run(llm, prompts, params, *, stack: bool, monkeypatch: pytest.MonkeyPatch, adapters=None):
+    """Tokens and logprobs of ``prompts``, with the stack or the Python loop; per fused-decode
+    call, whether the stack ran it (``calls``) and (whether a row of it had an adapter, its
+    rows)."""
+    calls, with_lora = [], []
     original = DecodeStackStep.__call__
 
-    def decode_step(self, *args):
-        result = original(self, *args) if stack else None
+    def decode_step(self, x, *args):
+        result = original(self, x, *args) if stack else None
         calls.append(result is not None)
+        with_lora.append((lora.active_lora_batch() is not None, x.shape[0]))
         return result
 
     with monkeypatch.context() as patch:
         patch.setattr(DecodeStackStep, "__call__", decode_step)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters)
     tokens = [o.outputs[0].token_ids for o in outputs]
     logprobs = [
         [sorted((t, lp.logprob) for t, lp in step.items()) for step in o.outputs[0].logprobs]
         for o in outputs
     ]
-    return tokens, logprobs, calls
+    return tokens, logprobs, (calls, with_lora)
 
 
 def _dense_bf16_packs() -> bool:
@@ -73,17 +79,26 @@ def _dense_bf16_packs() -> bool:
     return pack_weight(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
 
 
-def _assert_same_as_python_loop(llm, prompts, params, monkeypatch, *, stack=True) -> None:
-    tokens, logprobs, calls = _run(llm, prompts, params, stack=True, monkeypatch=monkeypatch)
+def _assert_same_as_python_loop(
+    llm, prompts, params, monkeypatch, *, stack=True, adapters=None
+) -> list[tuple[bool, bool]]:
+    """Returns, per fused-decode call of the stack's run: (the stack ran it, it had LoRA rows,
+    its rows)."""
+    tokens, logprobs, (calls, with_lora) = _run(
+        llm, prompts, params, stack=True, monkeypatch=monkeypatch, adapters=adapters
+    )
     if not stack:  # the stack declines these layers: every step is the Python loop's
         assert not any(calls), "the decode stack ran on layers it cannot multiply"
         assert _trunk(llm).fused_decode is None
-        return
+        return [(ran, *step) for ran, step in zip(calls, with_lora, strict=True)]
     assert any(calls), "the decode stack never ran"
     assert not all(calls), "prefill steps must take the Python loop"
-    ref_tokens, ref_logprobs, _ = _run(llm, prompts, params, stack=False, monkeypatch=monkeypatch)
+    ref_tokens, ref_logprobs, _ = _run(
+        llm, prompts, params, stack=False, monkeypatch=monkeypatch, adapters=adapters
+    )
     assert tokens == ref_tokens
     assert logprobs == ref_logprobs
+    return [(ran, *step) for ran, step in zip(calls, with_lora, strict=True)]
 
 
 def _save(tmp_path: Path, variant: str) -> Path:
@@ -196,3 +211,76 @@ def test_smollm2_bf16_dot_products_equal_the_python_loop(monkeypatch):
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
     dots = sorted(m.dot_max_rows for m in layers)
     assert len(layers) == 121 and dots == [0] + [DOT_MAX_ROWS_WITH_COPY] * 120
+
+
+# ---- LoRA adapters in the stack ------------------------------------------------------------------
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> peft LoraConfig options: every projection; q/v with rsLoRA (a block of the fused qkv
+# and gaps between); the MLP only
+ADAPTERS: dict[str, dict] = {
+    "all": dict(target_modules=ALL_PROJECTIONS, r=4, lora_alpha=8),
+    "qv": dict(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=4, use_rslora=True),
+    "mlp": dict(target_modules=["gate_proj", "up_proj", "down_proj"], r=2, lora_alpha=16),
+}
+
+
+@pytest.fixture(scope="module")
+def lora_decoder(tmp_path_factory) -> tuple[Path, dict[str, LoRARequest]]:
+    """A tiny Llama and the three ``ADAPTERS``, written by peft."""
+    root = tmp_path_factory.mktemp("stack_lora")
+    base = make_decoder(root / "base", "llama")
+    adapters = {}
+    for i, (name, options) in enumerate(ADAPTERS.items()):
+        options = dict(options)
+        targets = options.pop("target_modules")
+        write_adapter(base, root / name, 20 + i, targets, **options)
+        adapters[name] = LoRARequest(name, i + 1, str(root / name))
+    return root / "base", adapters
+
+
+def _lora_llm(base: Path, **options):
+    # no prefix caching: the second run must compute its prompts as the first did
+    return make_llm(base, block_size=4, enable_prefix_caching=False, max_lora_rank=8, **options)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["int8", "none"])
+def test_stack_with_adapters_equals_python_loop(lora_decoder, dtype, quantization, monkeypatch):
+    """Three adapters and base rows in one decode step: the stack adds each projection's
+    updates with the linear layers' kernel and factors (the fp32 copies on bf16), so tokens and
+    logprobs are bit-identical to the layer loop's."""
+    base, adapters = lora_decoder
+    llm = _lora_llm(base, dtype=dtype, quantization=quantization)
+    names = [None, "all", "qv", "mlp", "all", None, "mlp"]
+    prompts = token_prompts(random_prompts([3, 9, 14, 5, 7, 4, 6], seed=1))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3)
+        for n in (12, 4, 9, 12, 2, 7, 10)
+    ]
+    chosen = [None if name is None else adapters[name] for name in names]
+    stack = not (dtype == "bfloat16" and quantization == "none" and not _dense_bf16_packs())
+    calls = _assert_same_as_python_loop(
+        llm, prompts, params, monkeypatch, stack=stack, adapters=chosen
+    )
+    if stack:
+        assert any(ran and has_lora for ran, has_lora, _ in calls), "no adapter step ran"
+
+
+def test_stack_steps_aside_for_runs_past_the_lora_kernel(lora_decoder, monkeypatch):
+    """Where an adapter's run is longer than the LoRA kernel takes, the layers multiply it in
+    torch (bf16 factors on long bf16 runs); the stack declines those steps rather than differ,
+    and takes the shorter ones."""
+    base, adapters = lora_decoder
+    llm = _lora_llm(base, dtype="float32", quantization="int8")
+    monkeypatch.setitem(lora.KERNEL_MAX_RUN_ROWS, torch.float32, 2)
+    prompts = token_prompts(random_prompts([3, 9, 14, 5], seed=2))
+    # one prefill step of 31 rows, then 4 decode rows of one adapter, then 2 as two finish
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
+        for n in (3, 3, 8, 8)
+    ]
+    calls = _assert_same_as_python_loop(
+        llm, prompts, params, monkeypatch, adapters=[adapters["all"]] * 4
+    )
+    assert (False, True, 4) in calls and (True, True, 2) in calls

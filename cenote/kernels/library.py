@@ -236,10 +236,18 @@ class DecodeStack(Protocol):
         tables: list[torch.Tensor],
         starts: list[torch.Tensor],
         ends: list[torch.Tensor],
+        lora_a: list[torch.Tensor],
+        lora_b: list[torch.Tensor],
+        lora_row_starts: list[int],
+        lora_row_ends: list[int],
+        lora_col_starts: list[int],
+        lora_offsets: list[int],
         /,
     ) -> torch.Tensor:
         """Every layer over one-token rows: ``hidden`` is the first layer's normed input,
-        ``residual`` its input (updated in place); returns the final norm's output."""
+        ``residual`` its input (updated in place); returns the final norm's output. ``lora_*``:
+        the step's LoRA segments over every projection in stack order, projection ``p``'s
+        being ``lora_offsets[p]:lora_offsets[p + 1]`` (all empty: no adapter in the step)."""
         ...
 
 

@@ -4,8 +4,15 @@ execution strategy for pre-norm decoders on the CPU, bit-identical to the model'
 A model offers its layers through ``FusedDecodeModel`` (models/interfaces.py): it describes them
 (``DecodeStackSpec``: projections, norms, attention sizes, scales, windows) and takes the step
 this module builds (``use_fused_decode``). Its ``forward`` calls the step first; the step returns
-None where it does not apply (a step with prompt rows, a LoRA row, more rows than a projection's
-fused kernel takes), and the model's loop runs.
+None where it does not apply (a step with prompt rows, more rows than a projection's fused kernel
+takes, a LoRA run longer than the LoRA kernel takes), and the model's loop runs.
+
+A step with LoRA rows hands the stack each projection's segments (one adapter's run of rows
+times one block of columns), built here from the step's ``LoRABatch`` and the projections'
+``lora_blocks`` by the code the linear layers use (``LoRASegments``): the same factors (the fp32
+copies where a bf16 layer keeps them), the same kernel, so the stack stays bit-identical to the
+loop. Where a run is past ``KERNEL_MAX_RUN_ROWS`` the loop multiplies in torch (bf16 factors for
+long bf16 runs), so the stack steps aside rather than differ.
 """
 
 from __future__ import annotations
@@ -20,7 +27,13 @@ from cenote.kernels import DecodeStack, ops
 from cenote.models.interfaces import DecodeStackSpec, FusedDecodeModel
 from cenote.models.layers.attention_plan import paged_plan
 from cenote.models.layers.linear import TrunkLinear
-from cenote.models.layers.lora import active_lora_batch
+from cenote.models.layers.lora import (
+    LoRABatch,
+    LoRAHost,
+    LoRASegments,
+    active_lora_batch,
+    kernel_takes_runs,
+)
 from cenote.models.layers.quant import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -58,10 +71,17 @@ class DecodeStackStep:
     rows each decode one token; returns the final norm's output, or None where the stack does
     not apply to this step."""
 
-    def __init__(self, stack: DecodeStack, spec: DecodeStackSpec, max_rows: float) -> None:
+    def __init__(
+        self,
+        stack: DecodeStack,
+        spec: DecodeStackSpec,
+        max_rows: float,
+        projections: list[LoRAHost],
+    ) -> None:
         self.stack = stack
         self.spec = spec
         self.max_rows = max_rows  # the fewest rows a projection multiplies in the stack
+        self.projections = projections  # in the stack's order: qkv, o, gate_up, down per layer
 
     @classmethod
     def build(cls, spec: DecodeStackSpec) -> DecodeStackStep | None:
@@ -87,15 +107,23 @@ class DecodeStackStep:
                 layer.cache_index,
             )
         max_rows = min(linear[1] for linear in linears if linear is not None)
-        return cls(stack, spec, max_rows)
+        projections: list[LoRAHost] = []
+        for layer in spec.layers:
+            for module in layer.projections:
+                assert isinstance(module, LoRAHost)  # QuantLinear / TrunkLinear: _stack_linear
+                projections.append(module)
+        return cls(stack, spec, max_rows, projections)
 
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor | None:
-        if active_lora_batch() is not None or x.device.type != "cpu":
-            return None  # the stack reads the base weights only, through host pointers
+        if x.device.type != "cpu":
+            return None  # the stack reads the weights through host pointers
         if x.shape[0] > self.max_rows or x.dtype not in (torch.float32, torch.bfloat16):
             return None
+        batch = active_lora_batch()
+        if batch is not None and not kernel_takes_runs(batch, x.shape[0], x.dtype):
+            return None  # the layers multiply this step's long runs in torch
         metadata = get_attention_metadata()
         if metadata.kv_caches is None or metadata.slot_mapping is None:
             return None
@@ -109,6 +137,7 @@ class DecodeStackStep:
             tables.append(plan.decode_tables)
             starts.append(plan.decode_starts)
             ends.append(plan.decode_ends)
+        segments, offsets = self._lora_segments(batch, x.shape[0])
         residual = x.contiguous()  # the stack adds each layer's outputs into it, in place
         return self.stack.run(
             residual,
@@ -120,7 +149,28 @@ class DecodeStackStep:
             tables,
             starts,
             ends,
+            segments.a,
+            segments.b,
+            segments.row_starts,
+            segments.row_ends,
+            segments.col_starts,
+            offsets,
         )
+
+    def _lora_segments(
+        self, batch: LoRABatch | None, num_rows: int
+    ) -> tuple[LoRASegments, list[int]]:
+        """Every projection's segments of the step, flat, and where each projection's segments
+        lie in them (``offsets[p]:offsets[p + 1]``); no offsets for a step without adapters."""
+        segments = LoRASegments.empty()
+        if batch is None:
+            return segments, []
+        offsets = [0]
+        for module in self.projections:
+            if module.lora_blocks:
+                segments.add_layer(batch, num_rows, module.lora_blocks)
+            offsets.append(len(segments.a))
+        return segments, offsets
 
 
 def _stack_linear(module: nn.Module) -> tuple[_StackLinear, float] | None:

@@ -5,7 +5,9 @@
 // and runs the same ops in the same order with the same kernels (quant_matmul or
 // mkldnn::_linear_pointwise, rotary_, the KV write, cenote::paged_attention,
 // add_rms_norm_, silu_and_mul), so its results are bit-identical to
-// LlamaModel._forward_fused.
+// LlamaModel._forward_fused. A step with LoRA rows adds each projection's adapter updates
+// right after its base product, with the kernel the linear layers call (lora_shrink_expand)
+// on the segments cenote/runner/decode_stack.py builds for the step.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -85,6 +87,32 @@ void write_kv(const at::Tensor& cache, const at::Tensor& qkv, int64_t k_col, int
   }
 }
 
+// The step's LoRA segments (one adapter's rows times one block of a projection's output
+// columns), flat over every projection of every layer in stack order (qkv, o, gate_up, down):
+// projection p owns segments offsets[p] .. offsets[p + 1]. Empty offsets: no LoRA row.
+struct StepLoRA {
+  const std::vector<at::Tensor>& a;  // [rank, in] each
+  const std::vector<at::Tensor>& b;  // [block columns, rank] each, scaling folded in
+  const std::vector<int64_t>& row_starts;
+  const std::vector<int64_t>& row_ends;
+  const std::vector<int64_t>& col_starts;
+  const std::vector<int64_t>& offsets;
+  std::vector<double> scales;  // all 1.0: the scaling is in b, as the linear layers pass it
+
+  // ``out`` (projection ``p``'s base product of ``x``) plus its segments' updates, in place.
+  void add(int64_t p, const at::Tensor& x, at::Tensor& out) const {
+    if (offsets.empty()) return;
+    const int64_t first = offsets[p], count = offsets[p + 1] - offsets[p];
+    if (count == 0) return;
+    lora_shrink_expand(out, x, at::TensorList(a).slice(first, count),
+                       at::TensorList(b).slice(first, count),
+                       c10::IntArrayRef(row_starts).slice(first, count),
+                       c10::IntArrayRef(row_ends).slice(first, count),
+                       c10::IntArrayRef(col_starts).slice(first, count),
+                       c10::ArrayRef<double>(scales).slice(first, count));
+  }
+};
+
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim)
@@ -118,15 +146,36 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // ``hidden``: the first layer's normed input; ``residual``: its un-normed input (updated in
   // place). Returns the final norm's output. tables/starts/ends: each layer's decode plan.
+  // lora_*: the step's LoRA segments (see StepLoRA); all empty where no row has an adapter.
   at::Tensor run(at::Tensor residual, at::Tensor hidden, const at::Tensor& cos,
                  const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
                  const at::Tensor& slot_mapping, const std::vector<at::Tensor>& tables,
-                 const std::vector<at::Tensor>& starts, const std::vector<at::Tensor>& ends) {
+                 const std::vector<at::Tensor>& starts, const std::vector<at::Tensor>& ends,
+                 const std::vector<at::Tensor>& lora_a, const std::vector<at::Tensor>& lora_b,
+                 const std::vector<int64_t>& lora_row_starts,
+                 const std::vector<int64_t>& lora_row_ends,
+                 const std::vector<int64_t>& lora_col_starts,
+                 const std::vector<int64_t>& lora_offsets) {
     const int64_t n = num_layers();
     TORCH_CHECK(static_cast<int64_t>(tables.size()) == n &&
                     static_cast<int64_t>(starts.size()) == n &&
                     static_cast<int64_t>(ends.size()) == n,
                 "one decode plan per layer");
+    const size_t segments = lora_a.size();
+    TORCH_CHECK(lora_b.size() == segments && lora_row_starts.size() == segments &&
+                    lora_row_ends.size() == segments && lora_col_starts.size() == segments,
+                "one factor pair, row range and column start per LoRA segment");
+    TORCH_CHECK(lora_offsets.empty() ||
+                    (static_cast<int64_t>(lora_offsets.size()) == 4 * n + 1 &&
+                     lora_offsets.front() == 0 &&
+                     lora_offsets.back() == static_cast<int64_t>(segments)),
+                "LoRA offsets: 4 projections x ", n, " layers + 1 entries from 0 to ", segments,
+                ", got ", lora_offsets.size());
+    for (size_t p = 0; p + 1 < lora_offsets.size(); ++p)
+      TORCH_CHECK(lora_offsets[p] <= lora_offsets[p + 1], "LoRA offsets must not decrease");
+    const StepLoRA lora{lora_a,          lora_b,       lora_row_starts,
+                        lora_row_ends,   lora_col_starts, lora_offsets,
+                        std::vector<double>(segments, 1.0)};
     TORCH_CHECK(residual.is_contiguous() && hidden.is_contiguous(), "rows must be contiguous");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                     slot_mapping.numel() == hidden.size(0),
@@ -141,6 +190,7 @@ class DecodeStack : public torch::CustomClassHolder {
     for (int64_t i = 0; i < n; ++i) {
       const Layer& layer = layers_[i];
       at::Tensor qkv = layer.qkv(hidden);
+      lora.add(4 * i, hidden, qkv);
       rotary_(qkv, cos, sin, q_size + kv_size);
       const at::Tensor& cache = kv_caches.at(layer.cache_index);
       TORCH_CHECK(cache.scalar_type() == qkv.scalar_type() && cache.is_contiguous(),
@@ -148,9 +198,15 @@ class DecodeStack : public torch::CustomClassHolder {
       write_kv(cache, qkv, q_size, q_size + kv_size, slot_mapping, kv_heads_, head_dim_);
       at::Tensor q = qkv.slice(1, 0, q_size).view({rows, heads_, head_dim_});
       at::Tensor attended = paged.call(q, cache, tables[i], starts[i], ends[i], layer.scale, 0.0);
-      at::Tensor out = layer.o(attended.view({rows, q_size}));
+      const at::Tensor heads_out = attended.view({rows, q_size});
+      at::Tensor out = layer.o(heads_out);
+      lora.add(4 * i + 1, heads_out, out);
       add_rms_norm_(out, residual, layer.post_norm, layer.post_eps);  // residual += attention
-      hidden = layer.down(silu_and_mul(layer.gate_up(out)));
+      at::Tensor gate_up = layer.gate_up(out);
+      lora.add(4 * i + 2, out, gate_up);
+      const at::Tensor activated = silu_and_mul(gate_up);
+      hidden = layer.down(activated);
+      lora.add(4 * i + 3, activated, hidden);
       add_rms_norm_(hidden, residual, layer.next_norm, layer.next_eps);  // residual += mlp
     }
     return hidden;

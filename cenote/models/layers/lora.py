@@ -87,8 +87,8 @@ def lora_context(batch: LoRABatch | None) -> Iterator[None]:
 
 def active_lora_batch() -> LoRABatch | None:
     """The step's adapters, or None when no row of the step has one (or outside a step).
-    Fused paths that do not call the linear layers (a C++ decode stack) must step aside
-    when this is not None."""
+    Fused paths that do not call the linear layers (the C++ decode stack) must add the same
+    updates themselves (``LoRASegments``) or step aside when this is not None."""
     return _LORA.get()
 
 
@@ -144,6 +144,51 @@ class LoRAHost:
 KERNEL_MAX_RUN_ROWS: dict[torch.dtype, int] = {torch.float32: 512, torch.bfloat16: 96}
 
 
+@dataclass
+class LoRASegments:
+    """``lora_shrink_expand``'s segments, built up one layer at a time: one adapter's run of
+    rows times one block of a layer's output columns each."""
+
+    a: list[torch.Tensor]  # [rank, in_features] each
+    b: list[torch.Tensor]  # [end - start, rank] each, scaling folded in
+    row_starts: list[int]
+    row_ends: list[int]
+    col_starts: list[int]
+
+    @classmethod
+    def empty(cls) -> LoRASegments:
+        return cls([], [], [], [], [])
+
+    def add_layer(
+        self, batch: LoRABatch, num_rows: int, lora_blocks: dict[int, tuple[LoRABlock, ...]]
+    ) -> None:
+        """Append a layer's segments for ``batch`` over ``num_rows`` rows: the fp32 copies of
+        the factors where a bf16 layer keeps them (the kernel sums in fp32 either way)."""
+        for group in batch.groups:
+            blocks = lora_blocks.get(group.adapter_id)
+            if blocks is None:
+                continue
+            end = num_rows if group.end is None else group.end
+            for block in blocks:
+                self.a.append(block.a if block.a_small is None else block.a_small)
+                self.b.append(block.b if block.b_small is None else block.b_small)
+                self.row_starts.append(group.start)
+                self.row_ends.append(end)
+                self.col_starts.append(block.start)
+
+
+def kernel_takes_runs(batch: LoRABatch, num_rows: int, dtype: torch.dtype) -> bool:
+    """Whether ``lora_shrink_expand`` runs the updates of ``batch`` over ``num_rows`` rows of
+    ``dtype``: every run at most ``KERNEL_MAX_RUN_ROWS`` long (torch is faster past it)."""
+    max_run_rows = KERNEL_MAX_RUN_ROWS.get(dtype)
+    if max_run_rows is None:
+        return False
+    return all(
+        (num_rows if group.end is None else group.end) - group.start <= max_run_rows
+        for group in batch.groups
+    )
+
+
 def segmented_update(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -152,36 +197,24 @@ def segmented_update(
 ) -> bool:
     """Add every adapter's update of ``batch`` to ``out`` in one kernel call; False (nothing
     done) where the kernel does not apply: no kernel build, not on the CPU, another dtype, a
-    strided view, or a run longer than ``KERNEL_MAX_RUN_ROWS`` (torch is faster there). Each
-    segment is one run of rows times one block; the factors are the fp32 copies where a bf16
-    layer keeps them (the kernel sums in fp32 either way)."""
-    max_run_rows = KERNEL_MAX_RUN_ROWS.get(x.dtype)
-    if max_run_rows is None or x.dim() != 2 or out.dtype != x.dtype:
+    strided view, or a run longer than ``KERNEL_MAX_RUN_ROWS`` (``kernel_takes_runs``)."""
+    if x.dim() != 2 or out.dtype != x.dtype or not kernel_takes_runs(batch, x.shape[0], x.dtype):
         return False
     if not (x.is_contiguous() and out.is_contiguous()):
         return False
-    num_rows = x.shape[0]
-    for group in batch.groups:
-        if (num_rows if group.end is None else group.end) - group.start > max_run_rows:
-            return False
     if not (ops.kernels_built() and runs_cpu_kernels(x, out)):
         return False
-    a: list[torch.Tensor] = []
-    b: list[torch.Tensor] = []
-    row_starts: list[int] = []
-    row_ends: list[int] = []
-    col_starts: list[int] = []
-    for group in batch.groups:
-        blocks = lora_blocks.get(group.adapter_id)
-        if blocks is None:
-            continue
-        end = num_rows if group.end is None else group.end
-        for block in blocks:
-            a.append(block.a if block.a_small is None else block.a_small)
-            b.append(block.b if block.b_small is None else block.b_small)
-            row_starts.append(group.start)
-            row_ends.append(end)
-            col_starts.append(block.start)
-    if a:
-        ops.lora_shrink_expand(out, x, a, b, row_starts, row_ends, col_starts, [1.0] * len(a))
+    segments = LoRASegments.empty()
+    segments.add_layer(batch, x.shape[0], lora_blocks)
+    if segments.a:
+        ops.lora_shrink_expand(
+            out,
+            x,
+            segments.a,
+            segments.b,
+            segments.row_starts,
+            segments.row_ends,
+            segments.col_starts,
+            [1.0] * len(segments.a),
+        )
     return True
