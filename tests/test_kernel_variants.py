@@ -59,6 +59,8 @@ CHECKS = [
     "test_attention.py::test_paged_kernel_rejects_bad_input",
     "test_decode_stack.py::test_stack_equals_python_loop[int8-float32-llama]",
     "test_decode_stack.py::test_stack_equals_python_loop[none-bfloat16-qwen2_sliding]",
+    "test_decode_stack.py::test_stack_with_adapters_equals_python_loop[int8-float32]",
+    "test_decode_stack.py::test_stack_with_adapters_equals_python_loop[none-bfloat16]",
     "test_lora_kernel.py",
     "test_kernel_variants.py::test_this_build_took_its_own_branches",
 ]
