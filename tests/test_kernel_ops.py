@@ -177,3 +177,29 @@ def test_varlen_attention(dtype, causal, alibi) -> None:
 
     kernel, fallback = both(run)
     torch.testing.assert_close(kernel, fallback, **_close(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_lora_shrink_expand(dtype) -> None:
+    """Two adapters' runs of rows, each over two column blocks (a fused projection), plus a
+    scale: the fallback sums in fp32 and rounds once, as the kernel does."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 48, generator=generator).to(dtype)
+    out = torch.randn(9, 40, generator=generator).to(dtype)
+    rank = 4
+    a = [torch.randn(rank, 48, generator=generator) for _ in range(4)]
+    b = [torch.randn(n, rank, generator=generator) for n in (24, 16, 24, 16)]
+    segments = dict(
+        row_starts=[0, 0, 5, 5], row_ends=[5, 5, 9, 9], col_starts=[0, 24, 0, 24],
+        scales=[1.0, 1.0, 0.5, 0.5],
+    )  # fmt: skip
+
+    def run() -> torch.Tensor:
+        result = out.clone()
+        ops.lora_shrink_expand(result, x, a, b, **segments)
+        return result
+
+    kernel, fallback = both(run)
+    assert not torch.equal(kernel, out)  # the update was added
+    torch.testing.assert_close(kernel, fallback, **_close(dtype))
