@@ -134,9 +134,9 @@ def time_driver_alone(corpus: Path, output: Path, dim: int = 384) -> float:
     of ``--ray`` scale-out."""
     import numpy as np
 
-    from cenote.corpus.job import EmbedJob, chunk_ids, run_embed_job
-    from cenote.corpus.parts import PartResult
-    from cenote.corpus.readers import open_source
+    from cenote.apps.corpus.job import EmbedJob, chunk_ids, run_embed_job
+    from cenote.apps.corpus.parts import PartResult
+    from cenote.apps.corpus.readers import open_source
 
     vectors = np.random.default_rng(0).standard_normal((1024, dim), dtype=np.float32)
 

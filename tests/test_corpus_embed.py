@@ -22,8 +22,8 @@ from factories.processes import run_cenote
 from factories.texts import PROSE
 from factories.tokenized import record_tokenized
 
-from cenote.corpus.embedder import CHARS_PER_TOKEN, MAX_PASSAGE_CHARS, RowError, embed_passages
-from cenote.corpus.readers import CorpusError, open_source, read_chunks
+from cenote.apps.corpus.embedder import CHARS_PER_TOKEN, MAX_PASSAGE_CHARS, RowError, embed_passages
+from cenote.apps.corpus.readers import CorpusError, open_source, read_chunks
 
 # ---- readers ----------------------------------------------------------------------------------
 

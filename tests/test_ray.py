@@ -20,7 +20,7 @@ import ray
 from factories.corpus import LONG_TEXT, corpus, embed_job, read_output, write_jsonl
 from server_fixture import free_port
 
-from cenote.corpus.readers import open_source
+from cenote.apps.corpus.readers import open_source
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 RAY_BIN = Path(sys.executable).with_name("ray")

@@ -13,7 +13,7 @@ from factories.generation import make_llm
 from factories.processes import run_cenote
 from factories.tokenized import record_tokenized
 
-from cenote.batch.reader import BatchFileError
+from cenote.apps.batch.reader import BatchFileError
 from cenote.cli.run_batch import BatchLimits, run_batch
 from cenote.sampling_params import SamplingParams
 

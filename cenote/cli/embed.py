@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cenote.corpus.readers import INPUT_FORMATS
+from cenote.apps.corpus.readers import INPUT_FORMATS
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -63,8 +63,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def main(args: argparse.Namespace) -> int:
-    from cenote.corpus.job import EmbedJob, run_embed_job
-    from cenote.corpus.readers import open_source
+    from cenote.apps.corpus.job import EmbedJob, run_embed_job
+    from cenote.apps.corpus.readers import open_source
 
     source = open_source(args.input, args.text_field, args.id_field, args.input_format)
     job = EmbedJob(
@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
     )  # fmt: skip
     embed_parts = None
     if args.ray is not None:
-        from cenote.corpus.ray_parts import RayEmbedParts, RayOptions
+        from cenote.apps.corpus.ray_parts import RayEmbedParts, RayOptions
 
         options = RayOptions(
             address=None if args.ray == "local" else args.ray, num_workers=args.ray_workers,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from cenote.batch.lines import (
+from cenote.apps.batch.lines import (
     LineError,
     custom_id_of,
     error_line,
@@ -25,11 +25,11 @@ from cenote.batch.lines import (
     parse_line,
     success_line,
 )
-from cenote.batch.reader import RawLine, check_custom_ids, read_chunks
+from cenote.apps.batch.reader import RawLine, check_custom_ids, read_chunks
 from cenote.server.state import ServerOptions
 
 if TYPE_CHECKING:
-    from cenote.batch.handlers import BatchHandlers, GenerationTask, PoolingTask, Task
+    from cenote.apps.batch.handlers import BatchHandlers, GenerationTask, PoolingTask, Task
     from cenote.llm import LLM
 
     _GroupTask = TypeVar("_GroupTask", PoolingTask, GenerationTask)
@@ -115,7 +115,7 @@ def run_batch(
 def _run_lines(
     llm: LLM, input_path: Path, output_path: Path, lines_per_chunk: int, limits: BatchLimits
 ) -> BatchSummary:
-    from cenote.batch.handlers import BatchHandlers
+    from cenote.apps.batch.handlers import BatchHandlers
 
     handlers = BatchHandlers(llm, limits.max_input_chars)
     encoder = msgspec.json.Encoder()
@@ -140,7 +140,7 @@ def _run_chunk(
     handlers: BatchHandlers, chunk: list[RawLine], limits: BatchLimits
 ) -> list[dict[str, Any]]:
     """1) parse and prepare each line alone, 2) run by kind, 3) results in input order."""
-    from cenote.batch.handlers import GenerationTask, PoolingTask, ScoringTask
+    from cenote.apps.batch.handlers import GenerationTask, PoolingTask, ScoringTask
 
     results: dict[int, dict[str, Any]] = {}
     tasks: list[Task] = []

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cenote
-from cenote.batch.store import BatchStore
+from cenote.apps.batch.store import BatchStore
 from cenote.engine.heap import freeze_startup_objects
 from cenote.server import (
     routes_batches,

@@ -17,8 +17,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel
 
-from cenote.batch.lines import BODY_MODELS
-from cenote.batch.store import BatchStatus, StoredFile
+from cenote.apps.batch.lines import BODY_MODELS
+from cenote.apps.batch.store import BatchStatus, StoredFile
 from cenote.server.batch_jobs import BatchJobs
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest, Conflict, ModelNotFound, error_responses

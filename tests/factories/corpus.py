@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from cenote.corpus.job import EmbedJob, LocalEmbedParts, run_embed_job
+from cenote.apps.corpus.job import EmbedJob, LocalEmbedParts, run_embed_job
 
 LONG_TEXT = "word " * 400  # more than all-MiniLM-L6-v2's 256 tokens
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cenote.batch.lines import BatchLine, LineError
+from cenote.apps.batch.lines import BatchLine, LineError
 from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import UserOutput, outputs_of
 from cenote.engine.params_validator import Params

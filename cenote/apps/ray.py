@@ -108,7 +108,7 @@ class Embedder(_EngineWorker):
         self.truncate_prompt_tokens, self.dimensions = truncate_prompt_tokens, dimensions
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from cenote.corpus.embedder import embed_passages
+        from cenote.apps.corpus.embedder import embed_passages
 
         embeddings, num_tokens = embed_passages(
             self.llm, batch[self.text_column].tolist(), _rows(batch),

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from cenote.corpus.readers import CorpusError
+from cenote.apps.corpus.readers import CorpusError
 
 MANIFEST_NAME = "_manifest.json"
 MANIFEST_VERSION = 1

@@ -9,7 +9,7 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from cenote.batch.lines import custom_id_of
+from cenote.apps.batch.lines import custom_id_of
 from cenote.errors import CenoteError
 
 _DRAIN_BYTES = 1 << 20  # read size while skipping the rest of a line that is too long

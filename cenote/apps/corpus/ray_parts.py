@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cenote.corpus.embedder import RowError
-from cenote.corpus.job import EmbedJob, chunk_ids
-from cenote.corpus.parts import PartResult
-from cenote.corpus.readers import Chunk
+from cenote.apps.corpus.embedder import RowError
+from cenote.apps.corpus.job import EmbedJob, chunk_ids
+from cenote.apps.corpus.parts import PartResult
+from cenote.apps.corpus.readers import Chunk
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class RayEmbedParts:
     def __init__(self, job: EmbedJob, options: RayOptions) -> None:
         import ray
 
-        from cenote.ray import connect
+        from cenote.apps.ray import connect
 
         connect(options.address)
         nodes = [n for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
@@ -63,7 +63,7 @@ class RayEmbedParts:
         import pyarrow as pa
         import ray
 
-        from cenote.ray import Embedder
+        from cenote.apps.ray import Embedder
 
         # 1) one Arrow block per part: (row, text)
         tables = [

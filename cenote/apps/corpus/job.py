@@ -12,9 +12,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cenote.corpus.embedder import RowError, embed_passages
-from cenote.corpus.parts import PartResult, PartStore, export_npy
-from cenote.corpus.readers import Chunk, CorpusError, CorpusSource, count_rows, read_chunks
+from cenote.apps.corpus.embedder import RowError, embed_passages
+from cenote.apps.corpus.parts import PartResult, PartStore, export_npy
+from cenote.apps.corpus.readers import Chunk, CorpusError, CorpusSource, count_rows, read_chunks
 
 # embeds pending chunks; yields each with its result, in the order given
 EmbedParts = Callable[[Iterator[Chunk]], Iterator[tuple[Chunk, PartResult]]]
