@@ -13,9 +13,9 @@ from factories.generation import make_llm
 from factories.processes import run_cenote
 from factories.tokenized import record_tokenized
 
-from cenote.apps.batch.reader import BatchFileError
 from cenote.cli.run_batch import BatchLimits, run_batch
 from cenote.sampling_params import SamplingParams
+from cenote.server.batch_reader import BatchFileError
 
 LONG_TEXT = "word " * 400  # more than all-MiniLM-L6-v2's 256 tokens
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w5{% endif %}"

@@ -341,8 +341,8 @@ def _stand_in_app(answers: list[int]):
 
 
 def _run_jobs(tmp_path: Path, answers: list[int], expired: bool) -> tuple[dict, list[dict]]:
-    from cenote.apps.batch.store import BatchStore
     from cenote.server.batch_jobs import BatchJobs
+    from cenote.server.batch_store import BatchStore
 
     store = BatchStore(tmp_path)
     upload = store.new_upload_path()
@@ -383,7 +383,7 @@ def test_a_batch_past_its_window_expires_without_running(tmp_path):
 
 
 def test_one_server_per_batch_dir(tmp_path):
-    from cenote.apps.batch.store import BatchStore
+    from cenote.server.batch_store import BatchStore
 
     store = BatchStore(tmp_path)
     (store.files_dir / ".upload-cut-short").write_bytes(b"half a file")

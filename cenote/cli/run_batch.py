@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from cenote.apps.batch.lines import (
+from cenote.server.batch_lines import (
     LineError,
     custom_id_of,
     error_line,
@@ -25,7 +25,7 @@ from cenote.apps.batch.lines import (
     parse_line,
     success_line,
 )
-from cenote.apps.batch.reader import RawLine, check_custom_ids, read_chunks
+from cenote.server.batch_reader import RawLine, check_custom_ids, read_chunks
 from cenote.server.state import ServerOptions
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cenote
-from cenote.apps.batch.store import BatchStore
 from cenote.engine.heap import freeze_startup_objects
 from cenote.server import (
     routes_batches,
@@ -34,6 +33,7 @@ from cenote.server import (
     timing,
 )
 from cenote.server.batch_jobs import BatchJobs
+from cenote.server.batch_store import BatchStore
 from cenote.server.body import JSONRoute, answer_tei
 from cenote.server.errors import (
     APIError,

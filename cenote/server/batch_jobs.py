@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 from starlette.types import ASGIApp, Message
 
-from cenote.apps.batch.lines import (
+from cenote.server.batch_lines import (
     LineError,
     custom_id_of,
     error_line,
@@ -36,8 +36,8 @@ from cenote.apps.batch.lines import (
     parse_line,
     success_line,
 )
-from cenote.apps.batch.reader import BatchFileError, RawLine, check_custom_ids, read_lines
-from cenote.apps.batch.store import Batch, BatchStore
+from cenote.server.batch_reader import BatchFileError, RawLine, check_custom_ids, read_lines
+from cenote.server.batch_store import Batch, BatchStore
 
 logger = logging.getLogger(__name__)
 

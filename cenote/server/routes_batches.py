@@ -17,9 +17,9 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel
 
-from cenote.apps.batch.lines import BODY_MODELS
-from cenote.apps.batch.store import BatchStatus, StoredFile
 from cenote.server.batch_jobs import BatchJobs
+from cenote.server.batch_lines import BODY_MODELS
+from cenote.server.batch_store import BatchStatus, StoredFile
 from cenote.server.body import JSONRoute
 from cenote.server.errors import BadRequest, Conflict, ModelNotFound, error_responses
 from cenote.server.protocol import _Body

@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cenote.apps.batch.lines import BatchLine, LineError
 from cenote.engine.input_processor import InputProcessor, ParentRequest
 from cenote.engine.output_processor import UserOutput, outputs_of
 from cenote.engine.params_validator import Params
@@ -22,6 +21,7 @@ from cenote.engine.scoring import ScoreItem, pair_score_inputs, plan_scores
 from cenote.inputs import PromptType
 from cenote.llm import LLM
 from cenote.outputs import PoolingRequestOutput, RequestOutput
+from cenote.server.batch_lines import BatchLine, LineError
 from cenote.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

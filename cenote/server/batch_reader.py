@@ -9,8 +9,8 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from cenote.apps.batch.lines import custom_id_of
 from cenote.errors import CenoteError
+from cenote.server.batch_lines import custom_id_of
 
 _DRAIN_BYTES = 1 << 20  # read size while skipping the rest of a line that is too long
 _NUM_REPEATS_NAMED = 5  # repeated custom_ids a refusal lists
