@@ -28,6 +28,7 @@ from cenote.models.tokenizer import load_chat_template
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
+DEFAULT_MAX_INPUT_CHARS = 1 << 20  # characters in one input text, unless a front sets its own
 _CHAT_ARGUMENTS = ("messages", "add_generation_prompt", "continue_final_message", "tools")
 
 

@@ -24,7 +24,7 @@ from cenote.engine.async_client import AsyncEngineClient
 from cenote.engine.client import run_async
 from cenote.engine.dp_client import DataParallelEngineClient
 from cenote.engine.embedding_cache import CacheSize, EmbeddingCache, parse_cache_size
-from cenote.engine.input_processor import InputProcessor, ParentRequest
+from cenote.engine.input_processor import DEFAULT_MAX_INPUT_CHARS, InputProcessor, ParentRequest
 from cenote.engine.output_processor import outputs_of
 from cenote.engine_args import option, parse_bytes
 from cenote.images.sources import DEFAULT_MAX_IMAGE_PIXELS, MediaPolicy
@@ -93,7 +93,9 @@ class ServerOptions:
     )
     max_body_bytes: int = option(16 << 20, "largest request body (more: 413)")
     max_inputs: int = option(2048, "inputs (prompts, documents) in one request (more: 400)")
-    max_input_chars: int = option(1 << 20, "characters in one input text (more: 400)")
+    max_input_chars: int = option(
+        DEFAULT_MAX_INPUT_CHARS, "characters in one input text (more: 400)"
+    )
     max_image_pixels: int = option(
         DEFAULT_MAX_IMAGE_PIXELS, "pixels (width x height) of one input image (more: 400)"
     )

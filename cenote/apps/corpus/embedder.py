@@ -13,15 +13,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cenote.engine.input_processor import DEFAULT_MAX_INPUT_CHARS, InputProcessor
 from cenote.errors import InvalidInputError
 from cenote.pooling_params import PoolingParams
-from cenote.server.state import ServerOptions
 
 if TYPE_CHECKING:
-    from cenote.engine.input_processor import InputProcessor
     from cenote.llm import LLM
 
-MAX_PASSAGE_CHARS = ServerOptions.max_input_chars  # the server's bound on one text
+MAX_PASSAGE_CHARS = DEFAULT_MAX_INPUT_CHARS  # the server's default bound on one text
 CHARS_PER_TOKEN = 32  # a first cut's characters per kept token: real tokens are rarely over 20
 _CUT_WINDOW = 1024  # how far back from a cut a space is looked for
 
