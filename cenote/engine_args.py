@@ -337,7 +337,7 @@ class EngineArgs:
                 "does not"
             )
         if speculative is not None and speculative.method == "draft_model":
-            from cenote.spec_decode.draft_model import read_draft_model  # loads a runner
+            from cenote.runner.draft_model import read_draft_model  # loads a runner
 
             draft = read_draft_model(model_config, speculative)
             speculative = dataclasses.replace(speculative, draft_model_config=draft)

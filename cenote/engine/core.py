@@ -35,11 +35,11 @@ from cenote.models.registry import get_entry
 from cenote.platform import num_gpu_kv_blocks
 from cenote.pooling.pooler import DispatchPooler
 from cenote.request import Request, RequestStatus
+from cenote.runner.draft_model import DraftModelProposer
 from cenote.runner.memory_profile import graph_reserve_bytes, profile_step_peak
 from cenote.runner.model_runner import ModelRunner
 from cenote.scheduler.output import SchedulerOutput
 from cenote.scheduler.scheduler import Scheduler
-from cenote.spec_decode.draft_model import DraftModelProposer
 from cenote.structured.grammar import GrammarCompiler
 from cenote.tasks import PoolingTask, SupportedTask
 
