@@ -1,5 +1,6 @@
 """Typed messages shared by the layers: front end <-> engine core (they may cross a process),
-scheduler and runner outputs. The bottom of the package: it imports only the parameter types."""
+scheduler and runner outputs. Low in the package: it imports only the parameter types and the
+pooler's result type."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Literal
 import torch
 
 from cenote.lora.request import LoRARequest
+from cenote.pooling.interface import PoolerResult
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import SamplingParams
 
@@ -96,10 +98,6 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
-
-
-# a finished pooling request's result: a tensor, or a task -> tensor map (a multi-task request)
-PoolerResult = torch.Tensor | dict[str, torch.Tensor]
 
 
 @dataclass

@@ -31,6 +31,7 @@ class PoolingRequirements:
 
 # what a model's pooler returns per request: the tensor of its task, or a task -> tensor map
 # for a request asking several tasks of one trunk pass
+PoolerResult = torch.Tensor | dict[str, torch.Tensor]
 
 WHOLE_PROMPT = PoolingRequirements(last_token_only=False)
 LAST_TOKEN = PoolingRequirements(last_token_only=True)

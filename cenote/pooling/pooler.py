@@ -11,13 +11,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-from cenote.messages import PoolerResult
 from cenote.pooling.activation import Activation, activate
 from cenote.pooling.heads import EmbeddingHead
 from cenote.pooling.interface import (
     LAST_TOKEN,
     WHOLE_PROMPT,
     Pooler,
+    PoolerResult,
     PoolingRequirements,
 )
 from cenote.pooling.metadata import PoolingMetadata, ScoreFn

@@ -10,10 +10,11 @@ import torch
 from cenote.config import EngineConfig
 from cenote.forward_context import forward_context
 from cenote.lora.manager import LoRAManager
-from cenote.messages import LogprobsLists, ModelRunnerOutput, PoolerResult
+from cenote.messages import LogprobsLists, ModelRunnerOutput
 from cenote.models.interfaces import CausalLM, DecoderModel, ImageTextModel, Model
 from cenote.models.layers.lora import lora_context
 from cenote.models.layers.triton_attention import triton_paged_decode
+from cenote.pooling.interface import PoolerResult
 from cenote.pooling.metadata import PoolingMetadata
 from cenote.pooling.pooler import DispatchPooler
 from cenote.runner.batch import build_input_batch
