@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from cenote.lora.request import LoRARequest
+from cenote.lora_request import LoRARequest
 from cenote.platform import DEFAULT_GPU_MEMORY_UTILIZATION, cuda_default_dtype
 
 if TYPE_CHECKING:

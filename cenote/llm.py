@@ -34,7 +34,7 @@ from cenote.engine_args import EngineArgs, with_engine_args
 from cenote.errors import InvalidInputError, InvalidInputTypeError
 from cenote.images.sources import MediaPolicy
 from cenote.inputs import ChatPrompt, PromptType, TextRole
-from cenote.lora.request import LoRARequest
+from cenote.lora_request import LoRARequest
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import (
     ClassificationOutput,

@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from cenote.lora.request import LoRARequest
+from cenote.lora_request import LoRARequest
 from cenote.pooling.interface import PoolerResult
 from cenote.pooling_params import PoolingParams
 from cenote.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from cenote.lora.request import LoRARequest
+    from cenote.lora_request import LoRARequest
     from cenote.pooling_params import PoolingParams
     from cenote.sampling_params import SamplingParams
     from cenote.spec_decode.pacing import DraftPacing

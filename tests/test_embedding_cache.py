@@ -23,7 +23,7 @@ from cenote.engine.embedding_cache import (
     parse_cache_size,
 )
 from cenote.engine.input_processor import ParentRequest
-from cenote.lora.request import LoRARequest
+from cenote.lora_request import LoRARequest
 from cenote.messages import EngineCoreRequest
 from cenote.outputs import EmbeddingOutput, PoolingRequestOutput
 from cenote.pooling_params import PoolingParams

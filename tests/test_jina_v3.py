@@ -183,7 +183,7 @@ def test_score_plan_runs_under_the_served_adapter_or_the_task_never_both(jina) -
     """``plan_scores(lora_request=)`` (a served adapter, as the routes pass it) puts every query
     and document under it; combined with a task it is a 400, as for embeddings."""
     from cenote.engine.scoring import pair_texts, plan_scores
-    from cenote.lora.request import LoRARequest
+    from cenote.lora_request import LoRARequest
 
     _, llm = jina
     adapter = LoRARequest("served", 1, "/nowhere")

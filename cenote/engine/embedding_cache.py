@@ -25,7 +25,7 @@ import torch
 
 from cenote.engine.input_processor import ParentRequest
 from cenote.engine_args import parse_bytes
-from cenote.lora.request import LoRARequest
+from cenote.lora_request import LoRARequest
 from cenote.messages import EngineCoreRequest
 from cenote.outputs import PoolingOutput, PoolingRequestOutput
 from cenote.pooling_params import PoolingParams

@@ -21,8 +21,8 @@ from cenote.errors import InvalidInputError, InvalidInputTypeError
 from cenote.images.processor import ImageProcessor
 from cenote.images.sources import MediaPolicy, open_image
 from cenote.inputs import PromptType, TextRole
-from cenote.lora.request import LoRARequest
 from cenote.lora.tasks import task_instruction, task_lora_request
+from cenote.lora_request import LoRARequest
 from cenote.messages import EngineCoreRequest
 from cenote.models.tokenizer import load_chat_template
 from cenote.pooling_params import PoolingParams

@@ -19,8 +19,8 @@ from cenote.engine.chat import render_template
 from cenote.engine.input_processor import InputProcessor, ParentRequest, assign_adapter
 from cenote.errors import InvalidInputError, UnsupportedTaskError
 from cenote.inputs import ImagePrompt, PromptType
-from cenote.lora.request import LoRARequest
 from cenote.lora.tasks import score_tasks
+from cenote.lora_request import LoRARequest
 from cenote.outputs import MultiTaskOutput, PoolingRequestOutput, ScoringOutput
 from cenote.pooling_params import PoolingParams
 from cenote.tasks import PoolingTask, PoolingTaskSelection

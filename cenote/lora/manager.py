@@ -22,8 +22,8 @@ from torch import nn
 
 from cenote.lora.adapter import LoRAAdapter, read_adapter
 from cenote.lora.heads import head_score, head_tensors
-from cenote.lora.request import LoRARequest
 from cenote.lora.tasks import is_task_adapter
+from cenote.lora_request import LoRARequest
 from cenote.models.interfaces import LoRATarget, TaskAdapterModel
 from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost
 from cenote.models.registry import load_model_class

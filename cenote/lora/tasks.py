@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cenote.errors import InvalidInputError
-from cenote.lora.request import LoRARequest
+from cenote.lora_request import LoRARequest
 
 if TYPE_CHECKING:
     from cenote.config import ModelConfig

@@ -30,7 +30,7 @@ from cenote.engine_args import option, parse_bytes
 from cenote.images.sources import DEFAULT_MAX_IMAGE_PIXELS, MediaPolicy
 from cenote.inputs import PromptType
 from cenote.lora.manager import LoRAManager, shape_checker
-from cenote.lora.request import LoRARequest
+from cenote.lora_request import LoRARequest
 from cenote.models.tokenizer import load_tokenizer
 from cenote.outputs import PoolingRequestOutput
 from cenote.server import timing
