@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# ids from 1 name adapter folders; task i of a checkpoint's own task adapters (Jina v3) is
+# adapter id TASK_ADAPTER_ID_BASE + i, far above any folder's
+TASK_ADAPTER_ID_BASE = 1 << 40
+
 
 @dataclass(frozen=True)
 class LoRARequest:

@@ -15,12 +15,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cenote.errors import InvalidInputError
-from cenote.lora_request import LoRARequest
+from cenote.lora_request import TASK_ADAPTER_ID_BASE, LoRARequest
 
 if TYPE_CHECKING:
     from cenote.config import ModelConfig
 
-TASK_ADAPTER_ID_BASE = 1 << 40  # task i of the checkpoint is adapter id BASE + i
 TASK_ADAPTER_ARCHITECTURES = ("XLMRobertaLoRA",)
 # scoring's name for asymmetric retrieval: queries under the first adapter, documents the second
 RETRIEVAL_TASK = "retrieval"

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from cenote.config import ModelConfig
-from cenote.lora.tasks import TASK_ADAPTER_ID_BASE
+from cenote.lora_request import TASK_ADAPTER_ID_BASE
 from cenote.models.checkpoint_map import CheckpointMap, LinearSlot, Slot, linear_slots
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.embedding import Embedding
