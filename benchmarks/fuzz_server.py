@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.schema_fuzz import (  # noqa: E402
+from tests.compat.schema_fuzz import (  # noqa: E402
     EMBEDDING_PROBES,
     GENERATION_PROBES,
     FuzzReport,

@@ -1,5 +1,5 @@
 """Fidelity of the 8-bit-activation row kernel on the real SmolLM2 Q4_1 GGUF: greedy tokens of
-the test prompts (tests/test_quant.py's) with every projection of 1-8 rows on
+the test prompts (tests/kernels/test_quant.py's) with every projection of 1-8 rows on
 ``quant_matmul_q8``, against the dequantized fp32 model; at the first divergence, the fp32
 model's logprob gap between its own token and the q8 run's. The decode stack is left out (it
 calls the fp32 row kernel from C++), so the Python layer loop runs the same projections.

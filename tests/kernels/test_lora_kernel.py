@@ -4,7 +4,7 @@ float64 torch, and ``LoRAHost.add_lora`` through it against its torch path (issu
 A segment is one adapter's run of rows times one block of output columns; the shapes below
 cover fused blocks (column offsets), uneven ranks, K and N off the vector width (tails), empty
 runs, runs longer than a row block and a call big enough to be shared among threads. These
-tests also run against the AVX2 and scalar builds (tests/test_kernel_variants.py).
+tests also run against the AVX2 and scalar builds (tests/kernels/test_kernel_variants.py).
 """
 
 from __future__ import annotations

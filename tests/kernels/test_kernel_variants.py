@@ -33,10 +33,10 @@ from cenote.kernels import (
     quant_ops,
 )
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 # the vector extensions each variant's build must report (compiled_isa)
 VARIANTS = {"x86-64-v3": ["avx2", "f16c", "fma"], "x86-64": []}
-# the kernel tests a variant runs (node ids under tests/)
+# the kernel tests a variant runs (node ids under tests/kernels/)
 CHECKS = [
     "test_quant.py::test_gguf_tensors_convert_exactly",
     "test_quant.py::test_quant_linear_matches_dense_matmul",
@@ -97,7 +97,7 @@ def test_variant_passes_the_kernel_tests(arch: str) -> None:
     env = dict(os.environ, CENOTE_KERNEL_ARCH=arch, PYTHONPATH=str(_ROOT))
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x"]
-        + [f"tests/{check}" for check in CHECKS + EXTRA_CHECKS.get(arch, [])],
+        + [f"tests/kernels/{check}" for check in CHECKS + EXTRA_CHECKS.get(arch, [])],
         cwd=_ROOT,
         env=env,
         capture_output=True,

@@ -2,7 +2,7 @@
 arithmetic in float64 torch: each activation row quantized to int8 per block of 32 with one fp32
 scale (GGUF Q8_0: amax / 127, round half away from zero), the integer dot products scaled per
 group; and against the dense product within what the activation rounding allows. Run by
-tests/test_kernel_variants.py for the AVX2 (vpmaddubsw) and scalar builds too; the native build
+tests/kernels/test_kernel_variants.py for the AVX2 (vpmaddubsw) and scalar builds too; the native build
 here runs the AVX512-VNNI (vpdpbusd) path."""
 
 from __future__ import annotations

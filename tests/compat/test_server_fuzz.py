@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.schema_fuzz import EMBEDDING_PROBES, GENERATION_PROBES, answers, fuzz
+from tests.compat.schema_fuzz import EMBEDDING_PROBES, GENERATION_PROBES, answers, fuzz
 
 EXAMPLES_PER_OPERATION = 15  # per generation mode (3 modes): ~800 requests, both servers
 SEED = 20240817

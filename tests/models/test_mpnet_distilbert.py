@@ -214,7 +214,7 @@ def test_mpnet_pooler_and_prefixed_checkpoints_load(tmp_path: Path) -> None:
 
 def test_bf16_trunk_matches_fp32(trunk, tmp_path: Path) -> None:
     """The bf16 trunk (the default on CPUs with native bf16) keeps the embeddings: cosine vs
-    fp32 >= 0.999, as tests/test_bf16.py asks of all-MiniLM-L6-v2."""
+    fp32 >= 0.999, as tests/models/test_bf16.py asks of all-MiniLM-L6-v2."""
     _, folder, _ = trunk
     st_folder = save_sentence_transformer(folder, tmp_path / "st", "mean", True)
     fp32 = _llm(st_folder).embed(TEXTS, truncate_prompt_tokens=-1, use_tqdm=False)

@@ -298,7 +298,7 @@ def test_score_is_the_dot_product_as_sparse_encoder(bert_splade: Path, bert_llm:
 
 
 def test_bf16_trunk_matches_fp32(bert_splade: Path, bert_llm: LLM) -> None:
-    """bf16 trunk, fp32 MLM head: cosine vs fp32 >= 0.999 (as tests/test_bf16.py)."""
+    """bf16 trunk, fp32 MLM head: cosine vs fp32 >= 0.999 (as tests/models/test_bf16.py)."""
     llm_bf16 = LLM(str(bert_splade), dtype="bfloat16", num_threads=NUM_THREADS)
     bf16 = _dense(llm_bf16.embed_sparse(TEXTS, use_tqdm=False))
     cos = F.cosine_similarity(bf16, _dense(bert_llm.embed_sparse(TEXTS, use_tqdm=False)))

@@ -38,7 +38,7 @@ from cenote.models.deberta_v2 import log_bucket
 ATOL = 1e-4  # DESIGN.md §3: hidden states / logits vs transformers, fp32
 PROBS_ATOL = 1e-5  # DESIGN.md §3: classifier probabilities, fp32
 MIN_COSINE_FP32 = 0.9999  # DESIGN.md §3: embeddings vs sentence-transformers, fp32
-MIN_COSINE_BF16 = 0.999  # tests/test_bf16.py's bound
+MIN_COSINE_BF16 = 0.999  # tests/models/test_bf16.py's bound
 BATCH_ATOL = 1e-5  # DESIGN.md §3: batch invariance, fp32
 VARIANTS: dict[str, dict] = {
     "v3": {},
@@ -180,7 +180,7 @@ def test_cross_encoder_scores_match_sentence_transformers(variant: str, tmp_path
 
 
 def test_bf16_trunk_matches_fp32(tmp_path: Path) -> None:
-    """The bf16 trunk keeps the embeddings: cosine vs fp32 >= 0.999 (tests/test_bf16.py)."""
+    """The bf16 trunk keeps the embeddings: cosine vs fp32 >= 0.999 (tests/models/test_bf16.py)."""
     make_model(tmp_path / "raw", "deberta-v2", seed=6)
     folder = save_sentence_transformer(tmp_path / "raw", tmp_path / "st", "mean")
     fp32 = _llm(folder).embed(TEXTS, truncate_prompt_tokens=-1, use_tqdm=False)

@@ -4,7 +4,7 @@ A tiny random Llama and BERT base, random adapters (``init_lora_weights=False``:
 saved by ``peft``; the reference is peft's merged model (the adapter folded into the weights)
 run by transformers, and sentence-transformers with the adapter loaded for embeddings.
 Adapters with their own classification head (``modules_to_save``) and ``--max-cpu-loras``:
-tests/test_lora_heads.py.
+tests/engine/test_lora_heads.py.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_mixed_batch_equals_each_request_alone(decoder: Decoder) -> None:
 
 def test_decode_stack_runs_adapter_steps(decoder: Decoder, monkeypatch) -> None:
     """The C++ decode stack adds the adapters' updates itself: decode steps with an adapter
-    run on it, and their tokens are peft's merged model's (tests/test_decode_stack.py: the
+    run on it, and their tokens are peft's merged model's (tests/kernels/test_decode_stack.py: the
     stack is bit-identical to the layer-by-layer path)."""
     ran: list[bool] = []  # per fused-decode call: whether the stack ran the step
     original = DecodeStackStep.__call__

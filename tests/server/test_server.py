@@ -351,7 +351,7 @@ def test_prompts_per_request(http):
 
 def test_long_input_chunked_over_http(http, offline):
     """``long_input: "chunk"``: a text past the model's 256 tokens is embedded in windows joined
-    into one embedding (as the offline engine does; tests/test_chunking.py checks the math
+    into one embedding (as the offline engine does; tests/engine/test_chunking.py checks the math
     against sentence-transformers), usage counts every window's tokens; without it, a 400."""
     from cenote import PoolingParams
 

@@ -237,7 +237,7 @@ def test_fcfs_policy_ignores_priority(tiny_bert: Path) -> None:
 
 
 def test_include_prompt_false_is_read(tmp_path: Path) -> None:
-    """A pooling that leaves the prompt out (parity: tests/test_include_prompt.py)."""
+    """A pooling that leaves the prompt out (parity: tests/models/test_include_prompt.py)."""
     import json
 
     from cenote.models.formats.st_config import load_st_config

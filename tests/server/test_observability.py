@@ -241,7 +241,7 @@ def test_phases_place_the_cores_durations_after_the_front_sent_the_request() -> 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
 
 
