@@ -19,7 +19,7 @@ the per-row update's two ways of grouping rows (issue 31).
 Adapters are written here as PEFT folders (``adapter_config.json`` + safetensors) with random
 factors; the base weights are the real ones. Prints the CPU; median of ``--runs``.
 
-    flock /tmp/cpu_bench.lock python benchmarks/lora.py
+    flock /tmp/cpu_bench.lock python -m benchmarks.lora
 """
 
 from __future__ import annotations

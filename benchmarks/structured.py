@@ -8,7 +8,7 @@ strings, so both kinds generate about ``--max-tokens`` each) and the mask's time
 (llguidance's bitmask + applying it) against the step. Then: the first structured request
 (llguidance's tokenizer is built then, once per engine), a new schema, and a cached one.
 
-    flock /tmp/cpu_bench.lock python benchmarks/structured.py
+    flock /tmp/cpu_bench.lock python -m benchmarks.structured
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the operation documents, the documented content type, a body matching the docume
 ``fuzz`` sends the cases and collects every violation (no shrinking, so a run's request count is
 what was asked); ``answers`` records a fixed set of requests so a run can show the server answers
 them the same before and after. Used by ``tests/compat/test_server_fuzz.py`` (small, seeded: CI) and
-``benchmarks/fuzz_server.py`` (thousands of requests).
+``tests/compat/fuzz_server.py`` (thousands of requests).
 """
 
 from __future__ import annotations

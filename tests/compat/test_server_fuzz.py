@@ -2,7 +2,7 @@
 no 5xx, every status, content type and body as documented, and afterwards the server is healthy
 and answers a fixed set of requests exactly as before.
 
-Bounded and seeded for CI (the same requests every run); ``benchmarks/fuzz_server.py`` runs the
+Bounded and seeded for CI (the same requests every run); ``tests/compat/fuzz_server.py`` runs the
 same fuzzing for thousands of requests.
 """
 

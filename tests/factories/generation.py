@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from factories.decoders import FIRST_WORD_ID, GENERATION_VOCAB_SIZE
-from factories.device import engine_options
-from factories.texts import random_prompts as random_ids
+from .decoders import FIRST_WORD_ID, GENERATION_VOCAB_SIZE
+from .device import engine_options
+from .texts import random_prompts as random_ids
 
 NUM_THREADS = 2  # the CI box has 2 cores; cenote and transformers use the same count
 ALLOW_MISSING_WEIGHTS = "CENOTE_ALLOW_MISSING_WEIGHTS"  # "1": skip SmolLM2 tests without it

@@ -27,8 +27,8 @@ keep each step's input ids, positions and attention metadata (padded rows includ
 Run it twice: the first run with ``--fresh-cache`` compiles cold, the second reads the FX-graph
 cache under ``TORCHINDUCTOR_CACHE_DIR`` (default /tmp/cenote_compile_cache).
 
-    flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/compiled_trunk.py --fresh-cache
-    flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/compiled_trunk.py --dtype float32
+    flock /tmp/cpu_bench.lock .venv/bin/python -m benchmarks.experiments.compiled_trunk --fresh-cache
+    flock /tmp/cpu_bench.lock .venv/bin/python -m benchmarks.experiments.compiled_trunk --dtype float32
 
 Measured 2026-12-01, Intel Xeon 2 cores (AVX-512, AVX512-bf16, AMX), torch 2.13: 500 texts =
 8 steps, 61,778 tokens (62,208 rows); ms per pass, median of 5, each run against its own eager.

@@ -8,10 +8,10 @@ requests against the one varlen kernel call per layer. Decode batches: SmolLM2-1
 every padded block table against the C++ kernel reading blocks in place, and the kernel's 30 calls
 alone. Prints the CPU it ran on.
 
-    flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/attention.py
-    flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/attention.py \
+    flock /tmp/cpu_bench.lock .venv/bin/python -m benchmarks.experiments.attention
+    flock /tmp/cpu_bench.lock .venv/bin/python -m benchmarks.experiments.attention \
         --data ~/peers/data/sentences.jsonl --dtypes float32
-    flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/attention.py --parts decode \
+    flock /tmp/cpu_bench.lock .venv/bin/python -m benchmarks.experiments.attention --parts decode \
         --streams 16 --contexts 64,128,256
 """
 
@@ -27,10 +27,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 import torch.nn.functional as F
-from corpus_embed import cpu_description
-from embed_offline import make_corpus
 from torch.utils.benchmark import Timer
 
+from benchmarks.common import cpu_banner
+from benchmarks.embed_offline import make_corpus
 from cenote.forward_context import AttentionMetadata, forward_context
 from cenote.kernels import attention_ops
 from cenote.kernels.ops import use_torch
@@ -231,7 +231,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
-    print(f"CPU: {cpu_description()}\ntorch {torch.__version__}, threads {args.threads}")
+    print(f"{cpu_banner()}\ntorch {torch.__version__}, threads {args.threads}")
     if attention_ops() is None:
         raise SystemExit("the attention kernels did not build; see the log line above")
 

@@ -7,7 +7,7 @@ scheduling, batch building, pooling and outputs. On a GPU (``--device cuda``) th
 runs, and that host share is what bounds the pass. ``--profile FILE`` writes a cProfile of one
 more pass (cumulative and own time, top 40 each).
 
-    flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/embed_host_share.py --passes 3
+    flock /tmp/cpu_bench.lock .venv/bin/python -m benchmarks.experiments.embed_host_share --passes 3
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # a user's default (the other benchmarks, imported below, turn it off for their peers)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from corpus_embed import cpu_description
-from gpu_check import corpus
+
+from benchmarks.common import cpu_banner
+from benchmarks.gpu_check import corpus
 
 
 def tiny_bert(folder: Path) -> Path:
@@ -80,7 +80,7 @@ def main() -> int:
         tiny = args.device == "cpu"
         model = str(tiny_bert(Path(tempfile.mkdtemp())) if tiny else default_model_path())
     print(
-        f"CPU: {cpu_description()}; device {args.device}; model {model}; step budget "
+        f"{cpu_banner()}; device {args.device}; model {model}; step budget "
         f"{args.max_num_batched_tokens or 'default'} tokens, {args.max_num_seqs} requests"
     )
     texts = corpus()

@@ -3,36 +3,27 @@ three single-task calls (``embed``, ``embed_sparse``, ``token_embed``: three pas
 random XLM-R trunk with BGE-M3's two heads, fp32. Prints texts/s of both, their ratio and the
 largest difference between the outputs, with the CPU.
 
-    python benchmarks/bge_m3_multi.py --texts 256 --length 128 --threads 2
+    python -m benchmarks.experiments.bge_m3_multi --texts 256 --length 128 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from benchmarks.common import cpu_banner
 
 TASKS = ("embed", "embed_sparse", "token_embed")
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def build_folder(root: Path, hidden: int, layers: int) -> Path:
     """A random XLM-R trunk (``hidden``, ``layers``; heads of 64) with random
     ``sparse_linear.pt`` / ``colbert_linear.pt`` beside it."""
-    from factories.encoders import make_encoder_classifier
+    from tests.factories.encoders import make_encoder_classifier
 
     folder = root / "bge-m3-shaped"
     make_encoder_classifier(
@@ -94,7 +85,7 @@ def main() -> None:
             for i, t in enumerate(TASKS)
             for m, s in zip(multi, singles[i], strict=True)
         )
-    print(f"CPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__}")
+    print(f"{cpu_banner(args.threads)}; torch {torch.__version__}")
     print(
         f"XLM-R trunk hidden {args.hidden} x {args.layers} layers (random weights), fp32; "
         f"{args.texts} texts x {args.length} tokens; best of {args.repeats}"

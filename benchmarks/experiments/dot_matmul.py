@@ -6,7 +6,7 @@ decode step does: the weights come from memory, not cache) and the time per laye
 the four shapes' minimum over ``--repeats``. These are the numbers behind ``DOT_MAX_ROWS`` and
 ``DOT_MAX_ROWS_WITH_COPY`` in cenote/models/layers/quant.py.
 
-    flock /tmp/cpu_bench.lock python benchmarks/dot_matmul.py
+    flock /tmp/cpu_bench.lock python -m benchmarks.experiments.dot_matmul
 
 Measured 2026-12-02, AMD EPYC Zen 4 2 cores (AVX512-bf16, no AMX), us a layer (dot / dense
 bf16 copy / dequantize + matmul): 16 rows 580 / 725 / 1029, 32 rows 937 / 1096 / 1448, 64 rows
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 
-from cenote.kernels import cpu_features, cpu_model, quant_ops
+from benchmarks.common import best_seconds, cpu_banner
+from cenote.kernels import quant_ops
 from cenote.models.layers.linear import pack_weight, packed_linear
 from cenote.models.layers.quant import quantize_dense
 
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, choices=[4, 8], default=4, help="Q4_1- or Q8_0-like")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_model()}; features: {' '.join(cpu_features())}; threads {args.threads}")
+    print(cpu_banner(args.threads))
     ops = quant_ops()
     if ops is None or not ops.quant_dot_supported():
         sys.exit("quant_matmul_dot does not run here (it needs AVX512-BF16)")
@@ -64,12 +64,7 @@ def main() -> None:
                 ],
             }
             for path, run in paths.items():
-                best = float("inf")
-                for _ in range(args.repeats):
-                    start = time.perf_counter()
-                    run()
-                    best = min(best, (time.perf_counter() - start) / LAYERS)
-                total[path] += best
+                total[path] += best_seconds(run, args.repeats) / LAYERS
         print(
             f"{rows:>5}{total['dot'] * 1e6:>10.0f}{total['copy'] * 1e6:>10.0f}"
             f"{total['dequant'] * 1e6:>10.0f}"

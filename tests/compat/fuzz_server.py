@@ -1,6 +1,6 @@
 """Fuzz every route of ``cenote serve`` over its own OpenAPI schema (schemathesis).
 
-    python benchmarks/fuzz_server.py [--requests 5000] [--model default|smollm2|both] [--seed 0]
+    python -m tests.compat.fuzz_server [--requests 5000] [--model default|smollm2|both] [--seed 0]
 
 Starts the server on the default model (all-MiniLM-L6-v2) and / or the SmolLM2 GGUF, records a
 fixed set of answers, sends seeded rounds of positive and negative cases for every operation
@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.compat.schema_fuzz import (  # noqa: E402
+from tests.compat.schema_fuzz import (
     EMBEDDING_PROBES,
     GENERATION_PROBES,
     FuzzReport,
@@ -25,7 +23,7 @@ from tests.compat.schema_fuzz import (  # noqa: E402
     fuzz,
     load_schema,
 )
-from tests.server_fixture import ServerProcess  # noqa: E402
+from tests.server_fixture import ServerProcess
 
 
 def server_args(model: str, num_threads: int) -> list[str]:

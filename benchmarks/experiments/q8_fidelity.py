@@ -4,7 +4,7 @@ the test prompts (tests/kernels/test_quant.py's) with every projection of 1-8 ro
 model's logprob gap between its own token and the q8 run's. The decode stack is left out (it
 calls the fp32 row kernel from C++), so the Python layer loop runs the same projections.
 
-    flock /tmp/cpu_bench.lock python benchmarks/q8_fidelity.py [--max-tokens 32]
+    flock /tmp/cpu_bench.lock python -m benchmarks.experiments.q8_fidelity [--max-tokens 32]
 """
 
 from __future__ import annotations

@@ -4,23 +4,19 @@ not written), and with ``--otlp-traces-endpoint`` the trace (a root and five chi
 to the SDK's ``BatchSpanProcessor``; its exporter here drops them, so the OTLP encoding and
 sending, which run on the processor's own thread, are not counted).
 
-    flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/trace_overhead.py --requests 20000
+    flock /tmp/cpu_bench.lock .venv/bin/python -m benchmarks.experiments.trace_overhead --requests 20000
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from corpus_embed import cpu_description
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from benchmarks.common import cpu_banner
 from cenote.server.metrics import MetricFamilies
 from cenote.server.request_log import request_line
 from cenote.server.timing import RequestTimings
@@ -78,7 +74,7 @@ def main() -> None:
         ),
     }
     provider.shutdown()
-    print(f"{cpu_description()}; {n} requests each, one thread")
+    print(f"{cpu_banner()}; {n} requests each, one thread")
     for what, us in results.items():
         print(f"  {what:42s} {us:8.1f} us per request")
 
