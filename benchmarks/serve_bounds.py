@@ -65,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--probes", type=int, default=60, help="/health probes per phase")
     args = parser.parse_args()
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from tests.factories.smollm2 import find_smollm2_gguf
 
     print(cpu_banner())
     server = ServerProcess(str(find_smollm2_gguf()), "--dtype", "float32")

@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--keep-step-memory", choices=["1", "0"], default="1")
     parser.add_argument("--every", type=float, default=30, help="seconds between samples")
     args = parser.parse_args()
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from tests.factories.smollm2 import find_smollm2_gguf
 
     os.environ["CENOTE_KEEP_STEP_MEMORY"] = args.keep_step_memory
     print(cpu_banner(), f"| CENOTE_KEEP_STEP_MEMORY={args.keep_step_memory}")

@@ -29,8 +29,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cenote import LLM, SamplingParams
 from cenote.kernels import cpu_features, cpu_model
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.spec_decode.proposer import DraftQuery
+from tests.factories.smollm2 import find_smollm2_gguf
 
 RAG_CONTEXT = (
     "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "

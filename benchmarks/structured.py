@@ -23,9 +23,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cenote import LLM, SamplingParams, StructuredOutputsParams
 from cenote.kernels import cpu_features, cpu_model
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.runner import model_runner
 from cenote.sampling import sampler
+from tests.factories.smollm2 import find_smollm2_gguf
 
 
 def _schema(min_items: int, key: str = "words") -> dict:

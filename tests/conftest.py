@@ -116,7 +116,8 @@ def cross_encoder_server(cross_encoder_dir: Path):
 @pytest.fixture(scope="session")
 def smollm2_server():
     """``cenote serve`` on the real SmolLM2-135M-Instruct Q4_1 GGUF, fp32."""
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from factories.smollm2 import find_smollm2_gguf
+
     from tests.server_fixture import ServerProcess
 
     path = find_smollm2_gguf()  # fails (not skips) when the weights package is missing

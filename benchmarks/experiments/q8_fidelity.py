@@ -15,8 +15,8 @@ import torch
 
 from cenote import LLM, SamplingParams
 from cenote.kernels import cpu_model, quant_ops
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.runner.decode_stack import DecodeStackStep
+from tests.factories.smollm2 import find_smollm2_gguf
 
 PROMPTS = ["Explain why the sky is blue.", "Write a haiku about the sea."]
 

@@ -29,7 +29,7 @@ from tests.server_fixture import ServerProcess
 def server_args(model: str, num_threads: int) -> list[str]:
     args = ["--dtype", "float32", "--num-threads", str(num_threads)]
     if model == "smollm2":
-        from cenote.models.gguf_loader import find_smollm2_gguf
+        from tests.factories.smollm2 import find_smollm2_gguf
 
         return [str(find_smollm2_gguf()), *args]
     return args

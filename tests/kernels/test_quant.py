@@ -346,7 +346,7 @@ def test_quantize_dense_fidelity(method, floor):
 
 @pytest.fixture(scope="module")
 def smollm2_gguf():
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from factories.smollm2 import find_smollm2_gguf
 
     return find_smollm2_gguf()  # fails (not skips) when the weights package is missing
 

@@ -113,7 +113,7 @@ def test_pooling_routes_under_load_equal_the_offline_engine(default_server, llm_
 
 @pytest.fixture(scope="module")
 def smollm2_offline() -> LLM:
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from factories.smollm2 import find_smollm2_gguf
 
     return LLM(str(find_smollm2_gguf()), dtype="float32", num_threads=2)
 

