@@ -8,7 +8,7 @@ model, fp32) latency of one-sentence /v1/embeddings requests
 
 and the batch's throughput (lines and texts per second) in 2) and 3).
 
-    flock /tmp/cpu_bench.lock python benchmarks/batch_priority.py [--lines 200] [--small 60]
+    flock /tmp/cpu_bench.lock python -m benchmarks.batch_priority [--lines 200] [--small 60]
 """
 
 from __future__ import annotations
@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serve_fairness import cpu, summary  # noqa: E402
-from tests.server_fixture import ServerProcess  # noqa: E402
+from benchmarks.common import cpu_banner, latency_summary
+from tests.server_fixture import ServerProcess
 
 TEXTS_PER_LINE = 16
 LINE_TEXT = "a passage of a document that a nightly batch job embeds for retrieval " * 3
@@ -94,7 +91,7 @@ async def client_batch(url: str, num_lines: int, workers: int, running: asyncio.
 
 
 async def measure(server: ServerProcess, args: argparse.Namespace) -> None:
-    print(f"idle:          {summary(await small_latencies(server.url, args.small, None))}")
+    print(f"idle:          {latency_summary(await small_latencies(server.url, args.small, None))}")
     for name in ("batch API", "HTTP clients"):
         running = asyncio.Event()
         if name == "batch API":
@@ -108,7 +105,7 @@ async def measure(server: ServerProcess, args: argparse.Namespace) -> None:
         latencies = await small_latencies(server.url, 10_000, running)
         wall = await job
         print(
-            f"{name + ':':14} {summary(latencies)}   batch: {args.lines / wall:6.1f} lines/s, "
+            f"{name + ':':14} {latency_summary(latencies)}   batch: {args.lines / wall:6.1f} lines/s, "
             f"{args.lines * TEXTS_PER_LINE / wall:7.1f} texts/s"
         )
 
@@ -120,7 +117,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="--batch-concurrency")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    print(f"CPU: {cpu()}; {args.threads} engine threads; {args.lines} lines x {TEXTS_PER_LINE} "
+    print(f"{cpu_banner()}; {args.threads} engine threads; {args.lines} lines x {TEXTS_PER_LINE} "
           f"texts; {args.concurrency} lines in flight")  # fmt: skip
     with tempfile.TemporaryDirectory() as batch_dir:
         server = ServerProcess(

@@ -1,7 +1,7 @@
 """Image embedding throughput of a full-size CLIP ViT-B/32 (random weights, CLIPConfig's
 defaults: openai/clip-vit-base-patch32's shape): cenote vs transformers (``CLIPImageProcessorPil``
 + ``CLIPModel.get_image_features`` in batches), preprocessing included on both sides. Run from
-``embed_architectures.py --clip-images N``; ``python benchmarks/clip_images.py --max-images K``
+``embed_architectures.py --clip-images N``; ``python -m benchmarks.clip_images --max-images K``
 times calls of 1, 2, ... K images (one step each, every one a new vision-tower row count)
 twice: the first pass builds oneDNN's primitives for each count, the second reuses them."""
 
@@ -133,11 +133,9 @@ def bench_image_counts(root: Path, max_images: int, threads: int, dtype_name: st
 if __name__ == "__main__":
     import argparse
     import os
-    import sys
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from corpus_embed import cpu_description
+    from benchmarks.common import cpu_banner
 
     parser = argparse.ArgumentParser(description="CLIP vision tower: cold vs warm image counts")
     parser.add_argument("--max-images", type=int, default=12)
@@ -145,7 +143,7 @@ if __name__ == "__main__":
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"cpu: {cpu_description()} threads={args.threads}")
+    print(f"{cpu_banner()} threads={args.threads}")
     with tempfile.TemporaryDirectory(prefix="cenote-clip-counts-") as tmp:
         for dtype in args.dtypes.split(","):
             bench_image_counts(Path(tmp), args.max_images, args.threads, dtype)

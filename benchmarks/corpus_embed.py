@@ -4,7 +4,7 @@ one engine core and with two (``--data-parallel-size 2``), side by side, on the 
 model, dtype and passages. Prints the CPU, passages/s and tokens/s, and the
 ratios to ``LLM.embed`` (goals: CLI >= 0.95x, Ray >= 0.9x on the same cores).
 
-    flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/corpus_embed.py --num-passages 10000
+    flock /tmp/cpu_bench.lock .venv/bin/python -m benchmarks.corpus_embed --num-passages 10000
 
 ``LLM.embed`` is timed from a loaded model; the CLI and Ray runs are timed end to end (process
 start, model load, Ray start, reading JSONL, writing Parquet parts), as a user sees them; the
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import subprocess
@@ -29,9 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from embed_offline import PROSE  # noqa: E402
-
-INTERESTING_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+from benchmarks.common import cpu_banner
+from benchmarks.embed_offline import PROSE
 
 
 def make_passages(num: int, min_words: int, max_words: int, seed: int = 0) -> list[str]:
@@ -42,22 +40,6 @@ def make_passages(num: int, min_words: int, max_words: int, seed: int = 0) -> li
         start, n = rng.randrange(len(words)), rng.randint(min_words, max_words)
         passages.append(" ".join(words[(start + i) % len(words)] for i in range(n)))
     return passages
-
-
-def cpu_description() -> str:
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    shown = " ".join(f for f in INTERESTING_FLAGS if f in flags) or "none of " + ", ".join(
-        INTERESTING_FLAGS
-    )
-    return f"{model}; {os.cpu_count()} cores; flags: {shown}"
 
 
 def time_llm_embed(passages: list[str], dtype: str) -> tuple[float, int]:
@@ -94,9 +76,8 @@ def time_served(passages: list[str], dtype: str, data_parallel_size: int) -> tup
     import asyncio
 
     import msgspec
-    from serve_embed import _Connection
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.serve_embed import _Connection
     from tests.server_fixture import ServerProcess
 
     bodies = [
@@ -163,7 +144,7 @@ def main() -> None:
     args = parser.parse_args()
 
     passages = make_passages(args.num_passages, args.min_words, args.max_words)
-    print(f"CPU: {cpu_description()}")
+    print(cpu_banner())
     print(
         f"corpus: {len(passages)} passages of {args.min_words}-{args.max_words} words; "
         f"model all-MiniLM-L6-v2, dtype {args.dtype}"

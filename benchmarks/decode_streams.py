@@ -6,8 +6,8 @@ N prompts x ``--max-tokens`` greedy tokens (EOS ignored; prefill included) for e
 their ratio. ``--quantization none`` loads the GGUF dense (the stack then multiplies oneDNN-
 prepacked weights).
 
-    flock /tmp/cpu_bench.lock python benchmarks/decode_streams.py
-    flock /tmp/cpu_bench.lock python benchmarks/decode_streams.py --streams 16 --dtype float32
+    flock /tmp/cpu_bench.lock python -m benchmarks.decode_streams
+    flock /tmp/cpu_bench.lock python -m benchmarks.decode_streams --streams 16 --dtype float32
 
 Measured 2026-12-01, Intel Xeon 2 cores (AVX-512, AVX512-bf16, AMX), quantization=auto
 (stack / Python loop, tok/s): bf16 1 stream 133.0 / 96.2 (1.38x), 16 streams 689.7 / 571.0
@@ -30,8 +30,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cenote import LLM, SamplingParams
 from cenote.kernels import cpu_features, cpu_model
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.runner.decode_stack import DecodeStackStep
+from tests.factories.smollm2 import find_smollm2_gguf
 
 
 def tokens_per_second(llm: LLM, streams: int, max_tokens: int, runs: int) -> float:

@@ -13,26 +13,25 @@ CPU, tokens/s, the cenote / sentence-transformers ratio per dtype and the min co
 two. ``--clip-images N`` adds a full-size CLIP ViT-B/32 (``clip_images.py``): images/s vs
 transformers, preprocessing included.
 
-    flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/embed_architectures.py --num-texts 100
+    flock /tmp/cpu_bench.lock .venv/bin/python -m benchmarks.embed_architectures --num-texts 100
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from clip_images import bench_clip  # noqa: E402
-from corpus_embed import cpu_description  # noqa: E402
-from embed_offline import make_corpus, run_cenote, run_st  # noqa: E402
+import torch
+import torch.nn.functional as F
+
+from benchmarks.clip_images import bench_clip
+from benchmarks.common import cpu_banner
+from benchmarks.embed_offline import make_corpus, run_cenote, run_st
 
 # name -> (transformers config class, model class, config overrides, max_seq_length)
 ARCHITECTURES: dict[str, tuple[str, str, dict, int]] = {
@@ -147,7 +146,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     texts = make_corpus(args.num_texts)
-    print(f"cpu: {cpu_description()}\ntexts={len(texts)} threads={args.threads}")
+    print(f"{cpu_banner()}\ntexts={len(texts)} threads={args.threads}")
     header = (
         f"{'model':16} {'dtype':9} {'engine':8} {'tokens':>7} {'seconds':>8} {'tok/s':>8} "
         f"{'ratio':>6} {'min cos':>8}"

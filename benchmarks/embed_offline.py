@@ -4,7 +4,7 @@ Same model (all-MiniLM-L6-v2 by default), same deterministic corpus, same torch 
 fp32 and bf16. Prints sentences/s, real tokens/s (non-padding tokens after truncation to the
 model's max_seq_length), the cenote/ST ratio per dtype and the min cosine between the two.
 
-    .venv/bin/python benchmarks/embed_offline.py --num-texts 300
+    .venv/bin/python -m benchmarks.embed_offline --num-texts 300
 """
 
 from __future__ import annotations

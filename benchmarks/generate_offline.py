@@ -5,8 +5,8 @@ both sides produce the same number of tokens; greedy; same dtype, same thread co
 Prints output tokens/s for each, the ratio, cenote's time to first token (all prompts submitted
 at once, and one prompt alone), and how many greedy completions are token-identical.
 
-    python benchmarks/generate_offline.py                      # bf16 and fp32, 32 x 128
-    python benchmarks/generate_offline.py --dtype float32 --num-prompts 8 --max-tokens 64
+    python -m benchmarks.generate_offline                      # bf16 and fp32, 32 x 128
+    python -m benchmarks.generate_offline --dtype float32 --num-prompts 8 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from cenote import LLM, SamplingParams
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.sampling_params import RequestOutputKind
+from tests.factories.smollm2 import find_smollm2_gguf
 
 _TOPICS = [
     "the history of the printing press",

@@ -20,7 +20,6 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +56,7 @@ def probe() -> None:
 
 
 def corpus() -> list[str]:
-    from factories.texts import PARITY_TEXTS, PROSE
+    from tests.factories.texts import PARITY_TEXTS, PROSE
 
     words = " ".join(PROSE).split()
     generator = torch.Generator().manual_seed(0)
@@ -78,11 +77,11 @@ def timed(fn) -> float:
 
 
 def embeddings() -> None:
-    from factories.texts import PARITY_TEXTS
     from sentence_transformers import SentenceTransformer
 
     from cenote import LLM
     from cenote.config import default_model_path
+    from tests.factories.texts import PARITY_TEXTS
 
     path = str(default_model_path())
     st = SentenceTransformer(path, device="cuda").float().eval()
@@ -130,10 +129,9 @@ def throughput(llm, st) -> None:
 
 
 def greedy() -> None:
-    from factories.decoders import make_decoder
-    from factories.generation import hf_greedy, random_prompts, token_prompts
-
     from cenote import LLM, SamplingParams
+    from tests.factories.decoders import make_decoder
+    from tests.factories.generation import hf_greedy, random_prompts, token_prompts
 
     folder = Path(tempfile.mkdtemp())
     theirs = make_decoder(folder, "llama")
@@ -163,10 +161,9 @@ def decode_graphs() -> None:
     ``enforce_eager=True``; logprobs are bit-identical where the batch is a captured size
     (1, 4 streams), and only close where it is padded (5 streams run the size 8: the matmuls
     see 8 rows, not 5)."""
-    from factories.decoders import make_decoder
-    from factories.generation import random_prompts, token_prompts
-
     from cenote import LLM, SamplingParams
+    from tests.factories.decoders import make_decoder
+    from tests.factories.generation import random_prompts, token_prompts
 
     folder = Path(tempfile.mkdtemp())
     make_decoder(folder, "llama")
@@ -252,9 +249,8 @@ def decode_throughput() -> None:
     """Tokens/s of greedy decode, bf16, ``NEW_TOKENS`` a stream after ``PROMPT_TOKENS``-token
     prompts: cenote (paged KV, the Triton decode kernel) against transformers ``generate``
     (its default dynamic cache), each warmed up once at every stream count."""
-    from factories.decoders import make_decoder
-
     from cenote import LLM, SamplingParams
+    from tests.factories.decoders import make_decoder
 
     folder = Path(tempfile.mkdtemp())
     theirs = make_decoder(folder, "llama", **DECODE_SHAPE)

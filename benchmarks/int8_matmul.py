@@ -24,7 +24,7 @@ per (rows M, shape) the best time of:
 
 The last column is bf16's time over the best full w8a8 layer's (>1: int8 wins).
 
-    flock /tmp/cpu_bench.lock .venv/bin/python benchmarks/int8_matmul.py
+    flock /tmp/cpu_bench.lock .venv/bin/python -m benchmarks.int8_matmul
 
 Measured (Intel Xeon Processor with avx512_bf16, avx512_vnni, amx_bf16, amx_int8; 2 threads;
 torch 2.13; microseconds, best of 5-30; selected columns of one run, others in the last row):

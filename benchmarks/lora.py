@@ -19,7 +19,7 @@ the per-row update's two ways of grouping rows (issue 31).
 Adapters are written here as PEFT folders (``adapter_config.json`` + safetensors) with random
 factors; the base weights are the real ones. Prints the CPU; median of ``--runs``.
 
-    flock /tmp/cpu_bench.lock python benchmarks/lora.py
+    flock /tmp/cpu_bench.lock python -m benchmarks.lora
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from safetensors.torch import save_file
 
 from cenote import LLM, LoRARequest, SamplingParams
 from cenote.kernels import cpu_model
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.models.layers import lora
 from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost, lora_context
 from cenote.runner.decode_stack import DecodeStackStep
+from tests.factories.smollm2 import find_smollm2_gguf
 
 # SmolLM2-135M: hidden 576, 9 heads of 64, 3 KV heads, MLP 1536, 30 layers
 SMOLLM2_LAYERS = 30

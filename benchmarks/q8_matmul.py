@@ -5,7 +5,7 @@ kernel on the same rows. Q4_1 (the GGUF's own bytes) and Q8_0 weights. Timings a
 between the kernels, rep by rep, so a neighbour's load falls on both; medians in microseconds
 for one layer's 4 projections (qkv, o, gate_up, down).
 
-    flock /tmp/cpu_bench.lock python benchmarks/q8_matmul.py --threads 2
+    flock /tmp/cpu_bench.lock python -m benchmarks.q8_matmul --threads 2
 """
 
 from __future__ import annotations

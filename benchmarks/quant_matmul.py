@@ -4,7 +4,7 @@ Prints the CPU, then per (rows M, shape) the median time of: the fused kernel (w
 Q4_1 layout, w8 = Q8_0), dequantize + matmul, and the dense prepacked matmul in fp32 and bf16 —
 the numbers that choose ``FUSED_MAX_ROWS`` in cenote/models/layers/quant.py.
 
-    flock /tmp/cpu_bench.lock python benchmarks/quant_matmul.py
+    flock /tmp/cpu_bench.lock python -m benchmarks.quant_matmul
 """
 
 from __future__ import annotations

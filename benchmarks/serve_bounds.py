@@ -1,7 +1,7 @@
 """``/health`` while one client sends the heaviest generation requests the bounds allow: ``cenote
 serve`` on the SmolLM2 GGUF.
 
-    flock /tmp/cpu_bench.lock python benchmarks/serve_bounds.py [--probes 60]
+    flock /tmp/cpu_bench.lock python -m benchmarks.serve_bounds [--probes 60]
 
 Prints the CPU, then p50/p99/max of ``/health`` idle and while a client streams completions back
 to back with ``--max-stop-strings`` (64) stop strings of ``--max-stop-chars`` (4,096)
@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serve_fairness import cpu, get_health, summary  # noqa: E402
-from tests.server_fixture import ServerProcess  # noqa: E402
+from benchmarks.common import cpu_banner, latency_summary
+from benchmarks.serve_fairness import get_health
+from tests.server_fixture import ServerProcess
 
 
 def stop_list(count: int, length: int, seed: int) -> list[str]:
@@ -67,9 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--probes", type=int, default=60, help="/health probes per phase")
     args = parser.parse_args()
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from tests.factories.smollm2 import find_smollm2_gguf
 
-    print("cpu:", cpu())
+    print(cpu_banner())
     server = ServerProcess(str(find_smollm2_gguf()), "--dtype", "float32")
     try:
         idle = asyncio.run(health_probes(server.url, args.probes))
@@ -79,9 +77,11 @@ def main() -> None:
         refuse_s = time.perf_counter() - start
     finally:
         server.stop()
-    print(f"idle                 /health: {summary(idle)}")
-    print(f"heavy stop-list load /health: {summary(health)}")
-    print(f"heavy request (n=8 x 64 tokens, 64 stop strings, 4,096 chars): {summary(heavy)}")
+    print(f"idle                 /health: {latency_summary(idle)}")
+    print(f"heavy stop-list load /health: {latency_summary(health)}")
+    print(
+        f"heavy request (n=8 x 64 tokens, 64 stop strings, 4,096 chars): {latency_summary(heavy)}"
+    )
     print(f"200,000 stop strings: {refused.status_code} in {1000 * refuse_s:.0f} ms")
 
 

@@ -1,6 +1,6 @@
 """Served vs offline embedding throughput: ``cenote serve`` (default model) under an async client.
 
-    python benchmarks/serve_embed.py [--requests 256] [--concurrency 1 16 64] [--dtype auto]
+    python -m benchmarks.serve_embed [--requests 256] [--concurrency 1 16 64] [--dtype auto]
         [--repeat-share 0.3] [--embedding-cache-size 10000] [--no-offline]
 
 Starts its own server, sends 1-8 sentences per request at each concurrency (new sentences for
@@ -17,14 +17,11 @@ import asyncio
 import random
 import re
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.server_fixture import ServerProcess  # noqa: E402
+from tests.server_fixture import ServerProcess
 
 _WORDS = (
     "the a model server request token vector cat dog river mountain quick brown fox jumps over "

@@ -1,7 +1,7 @@
 """Small requests while a maximal one runs: ``cenote serve`` (default model) latency under a
 request of --max-request-tokens (65,536) tokens.
 
-    flock /tmp/cpu_bench.lock python benchmarks/serve_fairness.py [--small 60] [--dtype auto]
+    flock /tmp/cpu_bench.lock python -m benchmarks.serve_fairness [--small 60] [--dtype auto]
 
 Prints the CPU, then p50/p99/max latency of one-sentence embeddings and of /health, idle and
 while maximal requests (256 inputs x 256 tokens) run back to back, and how long a maximal request
@@ -13,41 +13,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serve_embed import _Connection  # noqa: E402
-from tests.server_fixture import ServerProcess  # noqa: E402
+from benchmarks.common import cpu_banner, latency_summary
+from benchmarks.serve_embed import _Connection
+from tests.server_fixture import ServerProcess
 
 BIG = msgspec.json.encode({"input": ["word " * 300] * 256, "truncate_prompt_tokens": -1})
 SMALL = msgspec.json.encode({"input": "a short query about rivers"})
-
-
-def cpu() -> str:
-    """The CPU model and the flags that decide the fast dtype."""
-    model, flags = "unknown", []
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-        elif line.startswith("flags"):
-            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-            flags = [f for f in line.split(":", 1)[1].split() if f in wanted]
-            break
-    return f"{model} [{' '.join(flags)}]"
-
-
-def summary(values: list[float]) -> str:
-    values = sorted(values)
-    p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
-    return (
-        f"p50 {1000 * statistics.median(values):7.1f} ms  p99 {1000 * p99:7.1f} ms  "
-        f"max {1000 * values[-1]:7.1f} ms  (n={len(values)})"
-    )
 
 
 async def get_health(url: str) -> float:
@@ -105,7 +80,7 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=60, help="small requests per phase")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    print("cpu:", cpu())
+    print(cpu_banner())
     server = ServerProcess("--dtype", args.dtype)
     try:
         asyncio.run(probe(server.url, 5))  # warm-up
@@ -113,11 +88,11 @@ def main() -> None:
         small, health, big = asyncio.run(under_load(server.url, args.small))
     finally:
         server.stop()
-    print(f"idle       small embed: {summary(idle_small)}")
-    print(f"idle       /health    : {summary(idle_health)}")
-    print(f"under load small embed: {summary(small)}")
-    print(f"under load /health    : {summary(health)}")
-    print(f"maximal request (65,536 tokens): {summary(big)}")
+    print(f"idle       small embed: {latency_summary(idle_small)}")
+    print(f"idle       /health    : {latency_summary(idle_health)}")
+    print(f"under load small embed: {latency_summary(small)}")
+    print(f"under load /health    : {latency_summary(health)}")
+    print(f"maximal request (65,536 tokens): {latency_summary(big)}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Memory over time: ``cenote serve`` on the SmolLM2 GGUF under a mixed load for ``--minutes``,
 the engine core's and the front's resident memory sampled as it runs.
 
-    flock /tmp/cpu_bench.lock python benchmarks/soak.py [--minutes 30] [--clients 8]
+    flock /tmp/cpu_bench.lock python -m benchmarks.soak [--minutes 30] [--clients 8]
         [--keep-step-memory 1|0] [--every 30]
 
 Half the clients embed 1-8 sentences a request, half chat (64 tokens, every third one with
@@ -17,15 +17,13 @@ import argparse
 import asyncio
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serve_fairness import cpu  # noqa: E402
-from tests.server_fixture import ServerProcess  # noqa: E402
+from benchmarks.common import cpu_banner
+from tests.server_fixture import ServerProcess
 
 WORDS = "river stone light quiet garden number paper window music answer".split()
 
@@ -80,10 +78,10 @@ def main() -> None:
     parser.add_argument("--keep-step-memory", choices=["1", "0"], default="1")
     parser.add_argument("--every", type=float, default=30, help="seconds between samples")
     args = parser.parse_args()
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from tests.factories.smollm2 import find_smollm2_gguf
 
     os.environ["CENOTE_KEEP_STEP_MEMORY"] = args.keep_step_memory
-    print("cpu:", cpu(), f"| CENOTE_KEEP_STEP_MEMORY={args.keep_step_memory}")
+    print(cpu_banner(), f"| CENOTE_KEEP_STEP_MEMORY={args.keep_step_memory}")
     server = ServerProcess(str(find_smollm2_gguf()), "--dtype", "float32")
     try:
         asyncio.run(soak(server, args.minutes, args.clients, args.every))

@@ -10,9 +10,9 @@ whether both engines gave the same tokens (fp32: always; bf16 rounds a several-r
 differently from a one-row step, so a near tie may go the other way). With ``--draft`` also the
 share of the speculative run's time spent in the draft model (its catch-up and draft passes).
 
-    flock /tmp/cpu_bench.lock python benchmarks/spec_decode.py
-    flock /tmp/cpu_bench.lock python benchmarks/spec_decode.py --k 3 --runs 5
-    flock /tmp/cpu_bench.lock python benchmarks/spec_decode.py --draft smollm2  # itself as draft
+    flock /tmp/cpu_bench.lock python -m benchmarks.spec_decode
+    flock /tmp/cpu_bench.lock python -m benchmarks.spec_decode --k 3 --runs 5
+    flock /tmp/cpu_bench.lock python -m benchmarks.spec_decode --draft smollm2  # itself as draft
 
 Results: docs/performance.md (speculative decoding).
 """
@@ -29,8 +29,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cenote import LLM, SamplingParams
 from cenote.kernels import cpu_features, cpu_model
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.spec_decode.proposer import DraftQuery
+from tests.factories.smollm2 import find_smollm2_gguf
 
 RAG_CONTEXT = (
     "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "

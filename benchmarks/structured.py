@@ -8,7 +8,7 @@ strings, so both kinds generate about ``--max-tokens`` each) and the mask's time
 (llguidance's bitmask + applying it) against the step. Then: the first structured request
 (llguidance's tokenizer is built then, once per engine), a new schema, and a cached one.
 
-    flock /tmp/cpu_bench.lock python benchmarks/structured.py
+    flock /tmp/cpu_bench.lock python -m benchmarks.structured
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from cenote import LLM, SamplingParams, StructuredOutputsParams
 from cenote.kernels import cpu_features, cpu_model
-from cenote.models.gguf_loader import find_smollm2_gguf
 from cenote.runner import model_runner
 from cenote.sampling import sampler
+from tests.factories.smollm2 import find_smollm2_gguf
 
 
 def _schema(min_items: int, key: str = "words") -> dict:

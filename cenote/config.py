@@ -34,7 +34,7 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_dtype(dtype: DTypeName | torch.dtype, device: str = "cpu") -> torch.dtype:
-    """``auto`` picks bf16 on CPUs with native bf16 matmuls (measured: see benchmarks/), else
+    """``auto`` picks bf16 on CPUs with native bf16 matmuls (docs/performance.md), else
     fp32; on CUDA bf16 from compute capability 8.0, else fp16 (``cenote.platform``)."""
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -12,11 +12,11 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export CENOTE_DISABLE_KERNELS=1
 out="${OUT:-$(mktemp -d)}"
 status=0
-python3 benchmarks/gpu_check.py --out "$out/gpu_table.md" 2>&1 | tee "$out/gpu_check.log" || status=1
+python3 -m benchmarks.gpu_check --out "$out/gpu_table.md" 2>&1 | tee "$out/gpu_check.log" || status=1
 CENOTE_TEST_DEVICE=cuda CENOTE_ALLOW_MISSING_WEIGHTS=1 timeout 240 python3 -m pytest -q \
   -p no:cacheprovider -k "not smollm2" \
-  tests/test_platform.py tests/test_triton_attention.py tests/test_embed_parity.py \
-  tests/test_generate_parity.py \
+  tests/engine/test_platform.py tests/kernels/test_triton_attention.py tests/models/test_embed_parity.py \
+  tests/models/test_generate_parity.py \
   2>&1 | tee "$out/gpu_tests.log" || status=1
 echo "gpu_check: $([ $status = 0 ] && echo PASSED || echo FAILED) (table: $out/gpu_table.md)"
 exit $status

@@ -372,11 +372,9 @@ def keep_step_memory() -> bool:
     MiniLM step of 8,192 tokens: ~100 MB of activations, the largest 25 MB), so every step
     faulted its activations in again. Fixed thresholds (allocations up to 32 MiB from the heap,
     freed heap memory given back only beyond 1 GiB) keep a step's working set mapped; the
-    resident set then stays at its peak instead of returning to it every step. Measured (Intel
-    Xeon AMX, 2 threads, MiniLM bf16 over the peers corpus, alternated with
-    CENOTE_KEEP_STEP_MEMORY=0): 52-64k -> under 200 page faults per pass, pass 1.09-1.12 ->
-    1.03-1.04 s; SmolLM2 16 streams 726 / 737 -> 777 / 794 tok/s. Called once the model and the KV cache are allocated (loading and its peak are
-    unchanged); a no-op where the C library is not glibc or CENOTE_KEEP_STEP_MEMORY=0."""
+    resident set then stays at its peak instead of returning to it every step (fewer page faults,
+    faster passes: docs/performance.md, "numbers out of code comments"). Called once the model
+    and the KV cache are allocated (loading and its peak are unchanged); a no-op where the C library is not glibc or CENOTE_KEEP_STEP_MEMORY=0."""
     if os.environ.get("CENOTE_KEEP_STEP_MEMORY") == "0":
         return False
     try:

@@ -26,9 +26,8 @@ Executor = Literal["process", "ray"]
 
 # The core shares its cores with the front process (HTTP, JSON, tokenization): its OpenMP threads
 # spin only briefly before sleeping when they wait, so a thread of the front does not leave a
-# core thread spinning. Measured (benchmarks/serve_embed.py, 384 requests): concurrency 64 served
-# 334-389 -> 422 sentences/s; fully passive waiting cost 20-30% at concurrency 1 and 16. A value
-# the user set in the environment wins.
+# core thread spinning; fully passive waiting is slower (docs/performance.md, "numbers out of code
+# comments"). A value the user set in the environment wins.
 CORE_ENVIRONMENT = {"GOMP_SPINCOUNT": "2000"}
 _environment_lock = threading.Lock()
 

@@ -5,7 +5,7 @@ recomputation gives (fp32: bit for bit).
 The key is everything of an engine request that changes its result: the model, the prompt's
 token ids (after truncation and instruction prompts), its token type ids, and every
 ``PoolingParams`` field but the ones listed as output-neutral; a field added later joins the
-key by itself (``tests/test_embedding_cache.py`` checks the lists name real fields). Entries
+key by itself (``tests/engine/test_embedding_cache.py`` checks the lists name real fields). Entries
 are evicted least recently used first, bounded by a count or by bytes. Token-level results
 (``token_embed``, ``token_classify``: a row per prompt token) are not cached.
 """

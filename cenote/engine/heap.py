@@ -20,8 +20,8 @@ def freeze_startup_objects() -> int:
     torch's and the libraries' own: about 230,000 with SmolLM2 loaded) out of the garbage
     collector's sight (``gc.freeze``; vLLM does the same after loading). Python's full
     collections, which the steps' allocations trigger, otherwise walk them all each time: a
-    pause of a few to tens of milliseconds in the middle of a step. Measured on AMD EPYC Zen 4
-    (one-stream SmolLM2 decode, 8 alternated pairs in one process): 1.04x.
+    pause of a few to tens of milliseconds in the middle of a step (one-stream decode gains:
+    docs/performance.md, "numbers out of code comments").
 
     Only for processes that hold one engine for their whole life (the engine core process, the
     server front): a frozen object in a reference cycle is never collected, so an in-process

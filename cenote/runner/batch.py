@@ -2,7 +2,7 @@
 
 Encoder steps (no KV cache) are padded at the end of the flat batch to one of a bounded set of
 row counts. oneDNN builds (and caches) a matmul primitive per distinct row count: a new count
-costs about 8 ms per weight shape (bf16 with AMX, 2 cores), so an embedding server whose every
+costs milliseconds per weight shape (docs/performance.md), so an embedding server whose every
 step has a new token count spent most of its time building primitives. The padding rows form
 one dummy sequence (positions 0, 1, ...) that no request, attention call or pooler reads.
 """

@@ -166,8 +166,8 @@ def _mask_row(values: np.ndarray, words: np.ndarray) -> None:
     """``-inf`` where ``words`` (a bitmask, little-endian bits) has a 0, block by block of 32
     tokens: empty words fill their block at once, full ones are skipped, and only the mixed
     ones are unpacked. A grammar allows few tokens at most steps, so this touches little more
-    than the blocks it fills (a bool mask over the vocabulary took ~0.5 ms a row: measured,
-    AMD EPYC AVX2, SmolLM2's 49,152 tokens)."""
+    than the blocks it fills (a bool mask over the whole vocabulary was slower:
+    docs/performance.md, "numbers out of code comments")."""
     vocab = values.shape[0]
     num_full = min(vocab // 32, words.shape[0])
     blocks = values[: num_full * 32].reshape(num_full, 32)

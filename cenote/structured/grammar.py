@@ -144,8 +144,8 @@ def allowed_tokens(grammars: list[RequestGrammar]) -> torch.Tensor:
     """[len(grammars), words] int32: each grammar's bitmask of the tokens it allows next (bit
     ``t % 32`` of word ``t // 32``; llguidance's layout). The rows are computed one after the
     other on this thread: llguidance's thread pool (``LLExecutor``) keeps its threads spinning
-    after a step, and on a CPU the model's own threads need those cores (measured, AMD EPYC
-    AVX2, 2 threads, SmolLM2: 1 stream 0.89x of unconstrained throughput with the pool)."""
+    after a step, and on a CPU the model's own threads need those cores (docs/performance.md,
+    structured outputs)."""
     words = (max(g.vocab_size for g in grammars) + 31) // 32
     bits = np.zeros((len(grammars), words), dtype=np.int32)
     address, row_bytes = bits.ctypes.data, words * 4

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from factories.seeded import hf_config, perturb, random_model, set_config
-from factories.vocab import (
+from .seeded import hf_config, perturb, random_model, set_config
+from .vocab import (
     DECODER_SPECIALS,
     GENERATION_SPECIALS,
     VOCAB_SIZE,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from factories.seeded import hf_config, random_model
-from factories.vocab import (
+from .seeded import hf_config, random_model
+from .vocab import (
     RETRIEVAL_BERT_SPECIALS,
     T5_SPECIALS,
     VOCAB_SIZE,

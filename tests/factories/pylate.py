@@ -14,9 +14,9 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from factories.encoder_zoo import MODERNBERT
-from factories.seeded import hf_config, random_model
-from factories.vocab import RETRIEVAL_BERT_SPECIALS, VOCAB_SIZE, write_retrieval_tokenizer
+from .encoder_zoo import MODERNBERT
+from .seeded import hf_config, random_model
+from .vocab import RETRIEVAL_BERT_SPECIALS, VOCAB_SIZE, write_retrieval_tokenizer
 
 HIDDEN = 32
 BERT = dict(

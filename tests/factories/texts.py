@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from factories.vocab import NUM_SPECIAL_TOKENS, VOCAB_SIZE
+from .vocab import NUM_SPECIAL_TOKENS, VOCAB_SIZE
 
 PROSE = [
     # Jane Austen, Pride and Prejudice (1813)

@@ -11,8 +11,8 @@ import transformers
 from PIL import Image
 from tokenizers import processors
 
-from factories.seeded import perturb
-from factories.vocab import save_tokenizer, word_tokenizer
+from .seeded import perturb
+from .vocab import save_tokenizer, word_tokenizer
 
 CLIP_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<pad>", "<unk>"]  # eos id 1 (not 2)
 WORDS = ["a", "photo", "of", "cat", "dog", "red", "blue", "square", "circle"]

@@ -23,8 +23,8 @@ from cenote.apps.corpus.readers import Chunk
 class RayOptions:
     address: str | None = None  # None: start a local Ray instance
     num_workers: int | None = None  # engines (actors); None: as many as the CPUs allow
-    # CPUs (= torch threads) per engine. One engine per CPU measured fastest here: one 2-thread
-    # engine beside Ray's own processes ran at 0.62x, two 1-thread engines at 0.91x.
+    # CPUs (= torch threads) per engine: one engine per CPU runs fastest beside Ray's own
+    # processes (docs/performance.md, "numbers out of code comments")
     cpus_per_worker: int = 1
     batch_size: int | None = None  # rows per map_batches call; None: a part
     window_parts: int = 64  # parts per Ray Data dataset (bounds what the driver holds)

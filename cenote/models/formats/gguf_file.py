@@ -1,11 +1,11 @@
 """A GGUF file's metadata and tensor index, read in one pass over its header.
 
 gguf's ``GGUFReader`` builds a numpy view for every part of every metadata value: for
-SmolLM2-135M's 49,152-token vocabulary and 48,900 merges that is about a million views and 2.9-3.4
-s (measured on AMD EPYC Zen 5), paid twice by ``cenote serve`` (the front end reads the file's
+SmolLM2-135M's 49,152-token vocabulary and 48,900 merges that is about a million views and
+seconds (docs/performance.md), paid twice by ``cenote serve`` (the front end reads the file's
 config and tokenizer, the engine core re-opens it for the tensors). This reader decodes the same
 header (GGUF versions 2 and 3, little-endian, as the gguf package writes it) with ``struct`` and
-``numpy.frombuffer``: about 0.1 s for that file. It keeps gguf's own types: the tensors are gguf
+``numpy.frombuffer``, some thirty times faster. It keeps gguf's own types: the tensors are gguf
 ``ReaderTensor``s whose ``data`` is a view of one read-only memory map, shaped as ``GGUFReader``
 shapes it, and the quantization tables (``GGML_QUANT_SIZES``) are gguf's.
 """

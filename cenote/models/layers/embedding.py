@@ -1,8 +1,8 @@
 """Embedding tables that are not randomly initialized: their weights always come from the
 checkpoint. ``nn.Embedding`` draws its table with ``normal_``, and on the meta device (where
 cenote builds every model before loading it) that call goes through torch's reference
-implementation, which imports ``torch._dynamo``: 1.0-1.5 s of every engine start (measured on
-AMD EPYC Zen 5), for values that are thrown away."""
+implementation, which imports ``torch._dynamo``: over a second of every engine start
+(docs/performance.md), for values that are thrown away."""
 
 from __future__ import annotations
 

@@ -63,9 +63,8 @@ class LayerNorm(nn.LayerNorm):
     2-d bf16 rows on the CPU run cenote's kernel (fused_ops.cpp ``layer_norm_``: moments and
     the affine step in fp32, one rounding to bf16, as torch; the moments' summation order
     differs, so results can differ from torch's by one bf16 step). Writing in place keeps the
-    rows in cache between the read and the write: measured (Intel Xeon AMX, 2 threads), the
-    two LayerNorms of each MiniLM layer this way made a bf16 embedding pass over the benchmark
-    corpus 423 -> 449 chunks/s (6 interleaved pairs). Anything else returns ``self(x)``."""
+    rows in cache between the read and the write (a faster bf16 embedding pass:
+    docs/performance.md, "numbers out of code comments"). Anything else returns ``self(x)``."""
 
     def normalize_(self, x: torch.Tensor) -> torch.Tensor:
         return ops.layer_norm_(x, self.weight, self.bias, self.eps)

@@ -40,7 +40,7 @@ DENSE_ABOVE_ROWS = {torch.bfloat16: 4, torch.float32: FUSED_MAX_ROWS}
 # (``quant_matmul_dot``: each group dequantized once per call into a register, as a dense bf16
 # copy would hold it) for steps of more than DENSE_ABOVE_ROWS[bf16] rows, up to DOT_MAX_ROWS;
 # with a dense copy kept, only up to DOT_MAX_ROWS_WITH_COPY. Measured with
-# benchmarks/dot_matmul.py (AMD EPYC Zen 4, SmolLM2's four projections, us a layer, dot / dense
+# benchmarks/experiments/dot_matmul.py (AMD EPYC Zen 4, SmolLM2's four projections, us a layer, dot / dense
 # bf16 copy / dequantize + matmul): 16 rows 580 / 725 / 1029, 32 rows 937 / 1096 / 1448,
 # 64 rows 1598 / 1499 / 1985, 128 rows 2462 / 2489 / 2841, 192 rows 4021 / 3764 / 4178.
 DOT_MAX_ROWS = 128
@@ -317,7 +317,7 @@ class QuantLinear(LoRAHost, nn.Module):
         """The most bf16 rows ``quant_matmul_dot`` multiplies for this layer (above
         ``fused_max_rows``; 0: none). Beside a dense copy only a 4-bit weight takes it, up to
         DOT_MAX_ROWS_WITH_COPY: for 8-bit weights the copy is as fast at 8-16 rows and faster
-        from 32 (benchmarks/dot_matmul.py --bits 8)."""
+        from 32 (benchmarks/experiments/dot_matmul.py --bits 8)."""
         if not self._dot:
             return 0
         if self._dense is None:
