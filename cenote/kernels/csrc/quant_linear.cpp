@@ -8,10 +8,10 @@
 //   w8: qdata int8 [N, K]; value = scale * q (+ min when mins are given); G = 16 or 32.
 //   scales, mins: [N, K / G], fp16 or fp32.
 //
-// Two paths, chosen by the caller: a fused kernel for few activation rows (decode), where each
-// weight group is expanded once into registers and multiplied with up to 4 rows; and a
-// dequantize kernel that writes the dense weight (fp32 or bf16) for a BLAS matmul when many rows
-// (prefill, embeddings) make FLOPs, not bytes, the bound.
+// Two paths, chosen by the caller: a fused kernel for few activation rows (decode, speculative
+// verification, a few streams), where each weight group is expanded once into registers and
+// multiplied with up to 8 rows; and a dequantize kernel that writes the dense weight (fp32 or
+// bf16) for a BLAS matmul when many rows (prefill, embeddings) make FLOPs, not bytes, the bound.
 //
 // Compiled at first use by torch.utils.cpp_extension with -O3 -march=native (see __init__.py):
 // AVX-512 and AVX2+FMA paths in intrinsics (the auto-vectorizer kept the accumulators in memory
