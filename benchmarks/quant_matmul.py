@@ -2,9 +2,12 @@
 
 Prints the CPU, then per (rows M, shape) the median time of: the fused kernel (w4 = the GGUF's
 Q4_1 layout, w8 = Q8_0), dequantize + matmul, and the dense prepacked matmul in fp32 and bf16 —
-the numbers that choose ``FUSED_MAX_ROWS`` in cenote/models/layers/quant.py.
+the numbers that choose ``FUSED_MAX_ROWS`` in cenote/models/layers/quant.py. ``--fused-only``
+times the two fused kernels alone (the fp32 row kernel's own comparisons: run it under two
+builds, alternating, as docs/performance.md records).
 
     flock /tmp/cpu_bench.lock python -m benchmarks.quant_matmul
+    flock /tmp/cpu_bench.lock python -m benchmarks.quant_matmul --fused-only --rows 1 2 3 4 5 8
 """
 
 from __future__ import annotations
@@ -53,14 +56,16 @@ def candidates(m, k, dense, packed32, packed16, w4, w8):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 16, 32, 128])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--fused-only", action="store_true", help="time the fused kernels only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = quant_ops()
     assert ops is not None, "kernel unavailable"
     print(f"CPU: {cpu_model()}; features: {' '.join(cpu_features())}; threads {args.threads}")
+    print(f"build: {' '.join(ops.compiled_isa())}")
     print(
         f"{'shape':<20}{'M':>5}{'w4 fused':>10}{'w8 fused':>10}{'w4 deq+mm':>11}"
         f"{'fp32':>9}{'bf16':>9}   (microseconds, median)"
@@ -72,9 +77,8 @@ def main() -> None:
         packed16 = pack_weight(dense.bfloat16())
         for m in args.rows:
             repeats = max(3, args.repeats // (1 + (n * m) // 200_000))
-            row = [
-                timeit(fn, repeats) for fn in candidates(m, k, dense, packed32, packed16, w4, w8)
-            ]
+            calls = candidates(m, k, dense, packed32, packed16, w4, w8)
+            row = [timeit(fn, repeats) for fn in calls[: 2 if args.fused_only else None]]
             print(f"{name:<20}{m:>5}" + "".join(f"{v:>10.0f}" for v in row))
 
 

@@ -46,6 +46,7 @@ CHECKS = [
     "test_quant.py::test_fused_projection_of_mixed_formats",
     "test_quant.py::test_dense_copy_serves_steps_of_many_rows",
     "test_quant.py::test_bad_kernel_arguments_raise_clearly",
+    "test_quant_rows.py",
     "test_quant_q8.py",
     "test_fused_ops.py",
     "test_kernel_ops.py",

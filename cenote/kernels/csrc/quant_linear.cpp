@@ -8,10 +8,10 @@
 //   w8: qdata int8 [N, K]; value = scale * q (+ min when mins are given); G = 16 or 32.
 //   scales, mins: [N, K / G], fp16 or fp32.
 //
-// Two paths, chosen by the caller: a fused kernel for few activation rows (decode), where each
-// weight group is expanded once into registers and multiplied with up to 4 rows; and a
-// dequantize kernel that writes the dense weight (fp32 or bf16) for a BLAS matmul when many rows
-// (prefill, embeddings) make FLOPs, not bytes, the bound.
+// Two paths, chosen by the caller: a fused kernel for few activation rows (decode, speculative
+// verification, a few streams), where each weight group is expanded once into registers and
+// multiplied with up to 8 rows; and a dequantize kernel that writes the dense weight (fp32 or
+// bf16) for a BLAS matmul when many rows (prefill, embeddings) make FLOPs, not bytes, the bound.
 //
 // Compiled at first use by torch.utils.cpp_extension with -O3 -march=native (see __init__.py):
 // AVX-512 and AVX2+FMA paths in intrinsics (the auto-vectorizer kept the accumulators in memory
@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 #include <immintrin.h>
 
@@ -62,6 +63,7 @@ inline void nibbles(const uint8_t* qg, __m128i& lo, __m128i& hi) {
   static T set1(float v) { return P##_set1_ps(v); }                                        \
   static T load(const float* p) { return P##_loadu_ps(p); }                                \
   static T mul(T a, T b) { return P##_mul_ps(a, b); }                                      \
+  static T add(T a, T b) { return P##_add_ps(a, b); }                                      \
   static T fmadd(T a, T b, T c) { return P##_fmadd_ps(a, b, c); }                          \
   /* LANES unsigned bytes (nibbles) / LANES int8 weights as fp32 */                        \
   static T from_u8(__m128i b) { return P##_cvtepi32_ps(P##_cvtepu8_epi32(b)); }            \
@@ -148,6 +150,17 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
+// A block is NB output rows (q: the first one's bytes, the next at ldq; scale, mn: its groups,
+// the next at ``groups``) against MB activation rows (x, leading dimension ldx); out[m * ldo + r].
+// Every output value is computed by the same operations in the same order whatever the block's
+// shape, so a row's result does not depend on how many rows share its step.
+//
+// 4-bit weights (dequant_block): each group is dequantized once into registers (scale * q + min,
+// the values ``quant_dequantize`` writes) and meets all MB rows with one fused multiply-add per
+// register: out = sum_k w_k x_k. 8-bit weights (scaled_block): each row's products with the
+// unscaled integers are summed per group, then scaled: out = sum_g scale_g (q_g . x_g) + min
+// terms. The 8-bit expansion costs more than the per-row work it would save, so it keeps the
+// per-row scale (docs/performance.md, "an fp32 row kernel for several rows").
 #if defined(CENOTE_VEC)
 // Group g of a row's BITS-bit weights (q: the row's bytes) as G / kLanes registers in element
 // order, before scale and min.
@@ -161,104 +174,203 @@ CENOTE_INLINE void expand_group(const uint8_t* q, int64_t g, Vec::T* w) {
   }
 }
 
-// sum_g scale_g * (q_g . x_g) + macc[m] for each of MB activation rows.
-template <typename S, int BITS, int G, int MB>
-CENOTE_INLINE void row_dots(const float* x, int64_t ldx, int64_t groups, const uint8_t* q,
-                            const S* scale, const float* macc, float* out, int64_t ldo) {
-  constexpr int R = G / Vec::kLanes;
-  Vec::T acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = Vec::zero();
+template <typename S, bool HAS_MIN, int MB, int NB>
+CENOTE_INLINE void dequant_block(const float* x, int64_t ldx, const float*, int64_t groups,
+                                 const uint8_t* q, int64_t ldq, const S* scale, const S* mn,
+                                 float* out, int64_t ldo) {
+  constexpr int R = 32 / Vec::kLanes;
+  Vec::T acc[NB][MB];
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = Vec::zero();
   for (int64_t g = 0; g < groups; ++g) {
-    Vec::T w[R];
-    expand_group<BITS, G>(q, g, w);
-    const Vec::T d = Vec::set1(to_float(scale[g]));
-    for (int m = 0; m < MB; ++m) {
-      const float* xg = x + m * ldx + g * G;
-      Vec::T t = Vec::mul(w[0], Vec::load(xg));
-      for (int i = 1; i < R; ++i) t = Vec::fmadd(w[i], Vec::load(xg + Vec::kLanes * i), t);
-      acc[m] = Vec::fmadd(t, d, acc[m]);
+    Vec::T w[NB][R];
+    for (int r = 0; r < NB; ++r) {
+      expand_group<4, 32>(q + r * ldq, g, w[r]);
+      const Vec::T d = Vec::set1(to_float(scale[r * groups + g]));
+      const Vec::T mv = Vec::set1(HAS_MIN ? to_float(mn[r * groups + g]) : 0.f);
+      for (int i = 0; i < R; ++i) w[r][i] = HAS_MIN ? Vec::add(Vec::mul(w[r][i], d), mv)
+                                                    : Vec::mul(w[r][i], d);
+    }
+    for (int i = 0; i < R; ++i) {
+      for (int m = 0; m < MB; ++m) {
+        const Vec::T xv = Vec::load(x + m * ldx + g * 32 + Vec::kLanes * i);
+        for (int r = 0; r < NB; ++r) acc[r][m] = Vec::fmadd(w[r][i], xv, acc[r][m]);
+      }
     }
   }
-  for (int m = 0; m < MB; ++m) out[m * ldo] = Vec::hsum(acc[m]) + macc[m];
-}
-#else
-// The dot product of group g of a row's BITS-bit weights (q: the row's bytes) with x_g.
-template <int BITS, int G>
-CENOTE_INLINE float group_dot(const uint8_t* q, int64_t g, const float* xg) {
-  float t = 0.f;
-  if constexpr (BITS == 4) {
-    const uint8_t* qg = q + g * 16;
-    for (int j = 0; j < 16; ++j)
-      t += static_cast<float>(qg[j] & 0x0F) * xg[j] + static_cast<float>(qg[j] >> 4) * xg[j + 16];
-  } else {
-    const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * G;
-    for (int j = 0; j < G; ++j) t += static_cast<float>(qg[j]) * xg[j];
-  }
-  return t;
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m) out[m * ldo + r] = Vec::hsum(acc[r][m]);
 }
 
-// The same without vectors.
-template <typename S, int BITS, int G, int MB>
-CENOTE_INLINE void row_dots(const float* x, int64_t ldx, int64_t groups, const uint8_t* q,
-                            const S* scale, const float* macc, float* out, int64_t ldo) {
-  float acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
+template <typename S, bool HAS_MIN, int G, int MB, int NB>
+CENOTE_INLINE void scaled_block(const float* x, int64_t ldx, const float* xsum, int64_t groups,
+                                const uint8_t* q, int64_t ldq, const S* scale, const S* mn,
+                                float* out, int64_t ldo) {
+  constexpr int R = G / Vec::kLanes;
+  Vec::T acc[NB][MB];
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = Vec::zero();
   for (int64_t g = 0; g < groups; ++g) {
-    const float d = to_float(scale[g]);
-    for (int m = 0; m < MB; ++m) acc[m] += d * group_dot<BITS, G>(q, g, x + m * ldx + g * G);
+    Vec::T w[NB][R], d[NB];
+    for (int r = 0; r < NB; ++r) {
+      expand_group<8, G>(q + r * ldq, g, w[r]);
+      d[r] = Vec::set1(to_float(scale[r * groups + g]));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const float* xg = x + m * ldx + g * G;
+      Vec::T xv[R];
+      for (int i = 0; i < R; ++i) xv[i] = Vec::load(xg + Vec::kLanes * i);
+      for (int r = 0; r < NB; ++r) {
+        Vec::T t = Vec::mul(w[r][0], xv[0]);
+        for (int i = 1; i < R; ++i) t = Vec::fmadd(w[r][i], xv[i], t);
+        acc[r][m] = Vec::fmadd(t, d[r], acc[r][m]);
+      }
+    }
   }
-  for (int m = 0; m < MB; ++m) out[m * ldo] = acc[m] + macc[m];
+  for (int r = 0; r < NB; ++r) {
+    float macc[MB];
+    min_terms<S, HAS_MIN, MB>(xsum, groups, HAS_MIN ? mn + r * groups : nullptr, macc);
+    for (int m = 0; m < MB; ++m) out[m * ldo + r] = Vec::hsum(acc[r][m]) + macc[m];
+  }
+}
+#else
+// The same without vectors.
+template <typename S, bool HAS_MIN, int MB, int NB>
+CENOTE_INLINE void dequant_block(const float* x, int64_t ldx, const float*, int64_t groups,
+                                 const uint8_t* q, int64_t ldq, const S* scale, const S* mn,
+                                 float* out, int64_t ldo) {
+  float acc[NB][MB] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < NB; ++r) {
+      const uint8_t* qg = q + r * ldq + g * 16;
+      const float d = to_float(scale[r * groups + g]);
+      const float mv = HAS_MIN ? to_float(mn[r * groups + g]) : 0.f;
+      float w[32];
+      for (int j = 0; j < 16; ++j) {
+        w[j] = d * static_cast<float>(qg[j] & 0x0F) + mv;
+        w[j + 16] = d * static_cast<float>(qg[j] >> 4) + mv;
+      }
+      for (int m = 0; m < MB; ++m) {
+        const float* xg = x + m * ldx + g * 32;
+        for (int j = 0; j < 32; ++j) acc[r][m] += w[j] * xg[j];
+      }
+    }
+  }
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m) out[m * ldo + r] = acc[r][m];
+}
+
+template <typename S, bool HAS_MIN, int G, int MB, int NB>
+CENOTE_INLINE void scaled_block(const float* x, int64_t ldx, const float* xsum, int64_t groups,
+                                const uint8_t* q, int64_t ldq, const S* scale, const S* mn,
+                                float* out, int64_t ldo) {
+  for (int r = 0; r < NB; ++r) {
+    const int8_t* qr = reinterpret_cast<const int8_t*>(q + r * ldq);
+    float macc[MB], acc[MB] = {};
+    min_terms<S, HAS_MIN, MB>(xsum, groups, HAS_MIN ? mn + r * groups : nullptr, macc);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float d = to_float(scale[r * groups + g]);
+      for (int m = 0; m < MB; ++m) {
+        const float* xg = x + m * ldx + g * G;
+        float t = 0.f;
+        for (int j = 0; j < G; ++j) t += static_cast<float>(qr[g * G + j]) * xg[j];
+        acc[m] += d * t;
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[m * ldo + r] = acc[m] + macc[m];
+  }
 }
 #endif
 
-// One output row of a BITS-bit weight (q: the row's bytes) against MB activation rows:
-// out[m] = sum_g scale_g * (q_g . x_g) + min_g * sum(x_g).
-template <typename S, bool HAS_MIN, int BITS, int G, int MB>
-CENOTE_INLINE void quant_row(const float* x, int64_t ldx, const float* xsum, int64_t groups,
-                             const uint8_t* q, const S* scale, const S* mn, float* out,
-                             int64_t ldo) {
-  float macc[MB];
-  min_terms<S, HAS_MIN, MB>(xsum, groups, mn, macc);
-  row_dots<S, BITS, G, MB>(x, ldx, groups, q, scale, macc, out, ldo);
+// Output rows a block takes: two keep two independent accumulator chains per activation row
+// (one alone left few-row steps waiting on the fused multiply-add latency); with AVX2's 16
+// registers, two of more than 4 rows spill (docs/performance.md).
+constexpr int kMaxRowTile = 8;  // activation rows a block takes
+inline bool pair_output_rows(int64_t M) {
+#if defined(__AVX512F__)
+  return true;
+#elif defined(CENOTE_VEC)
+  return M <= 4;
+#else
+  (void)M;
+  return false;
+#endif
 }
 
-// out [M, N] = x [M, K] @ dequant(q).T for a BITS-bit weight in groups of G, rows of x taken
-// 4, then 2, then 1 at a time.
-template <typename S, bool HAS_MIN, int BITS, int G>
-void quant_matmul_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                       const at::Tensor* mn, at::Tensor& out) {
+// NB output rows (from q, scale, mn) against all M activation rows, kMaxRowTile at a time.
+template <typename S, bool HAS_MIN, int BITS, int G, int NB>
+CENOTE_INLINE void block_rows(const float* x, int64_t M, int64_t K, const float* xsum,
+                              const uint8_t* q, int64_t ldq, const S* scale, const S* mn,
+                              float* out, int64_t N) {
+  const int64_t groups = K / G;
+  auto block = [&](auto rows, int64_t m) {
+    constexpr int MB = decltype(rows)::value;
+    const float* xs = HAS_MIN && BITS == 8 ? xsum + m * groups : nullptr;
+    if constexpr (BITS == 4) {
+      dequant_block<S, HAS_MIN, MB, NB>(x + m * K, K, xs, groups, q, ldq, scale, mn,
+                                        out + m * N, N);
+    } else {
+      scaled_block<S, HAS_MIN, G, MB, NB>(x + m * K, K, xs, groups, q, ldq, scale, mn,
+                                          out + m * N, N);
+    }
+  };
+  int64_t m = 0;
+  for (; m + kMaxRowTile <= M; m += kMaxRowTile) block(std::integral_constant<int, 8>{}, m);
+  switch (M - m) {
+    case 7: block(std::integral_constant<int, 7>{}, m); break;
+    case 6: block(std::integral_constant<int, 6>{}, m); break;
+    case 5: block(std::integral_constant<int, 5>{}, m); break;
+    case 4: block(std::integral_constant<int, 4>{}, m); break;
+    case 3: block(std::integral_constant<int, 3>{}, m); break;
+    case 2: block(std::integral_constant<int, 2>{}, m); break;
+    case 1: block(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
+// out [M, N] = x [M, K] @ dequant(q).T for a BITS-bit weight in groups of G: output rows taken
+// NB at a time (the last one alone), each against all rows of x.
+template <typename S, bool HAS_MIN, int BITS, int G, int NB>
+void quant_matmul_blocks(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                         const at::Tensor* mn, at::Tensor& out) {
+  constexpr bool kSums = HAS_MIN && BITS == 8;  // the 8-bit min terms need the group sums
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   const int64_t groups = K / G, row_bytes = K * BITS / 8;
-  at::Tensor xsum = HAS_MIN ? group_sums(x, G) : at::Tensor();
+  at::Tensor xsum = kSums ? group_sums(x, G) : at::Tensor();
   const float* xp = x.data_ptr<float>();
-  const float* xs = HAS_MIN ? xsum.data_ptr<float>() : nullptr;
+  const float* xs = kSums ? xsum.data_ptr<float>() : nullptr;
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const S* sp = scale.data_ptr<S>();
   const S* mp = HAS_MIN ? mn->data_ptr<S>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1));
+  const int64_t grain = std::max<int64_t>(NB, 4096 / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* qn = qp + n * row_bytes;
-      const S* sn = sp + n * groups;
-      const S* mnn = HAS_MIN ? mp + n * groups : nullptr;
-      if (n + kPrefetchRows < n1) {
-        prefetch(qn + kPrefetchRows * row_bytes, row_bytes);
-        prefetch(sn + kPrefetchRows * groups, groups * sizeof(S));
-        if (HAS_MIN) prefetch(mnn + kPrefetchRows * groups, groups * sizeof(S));
+    int64_t n = n0;
+    for (; n + NB <= n1; n += NB) {
+      if (n + kPrefetchRows + NB <= n1) {
+        prefetch(qp + (n + kPrefetchRows) * row_bytes, NB * row_bytes);
+        prefetch(sp + (n + kPrefetchRows) * groups, NB * groups * sizeof(S));
+        if (HAS_MIN) prefetch(mp + (n + kPrefetchRows) * groups, NB * groups * sizeof(S));
       }
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4)
-        quant_row<S, HAS_MIN, BITS, G, 4>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr,
-                                          groups, qn, sn, mnn, op + m * N + n, N);
-      for (; m + 2 <= M; m += 2)
-        quant_row<S, HAS_MIN, BITS, G, 2>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr,
-                                          groups, qn, sn, mnn, op + m * N + n, N);
-      for (; m < M; ++m)
-        quant_row<S, HAS_MIN, BITS, G, 1>(xp + m * K, K, HAS_MIN ? xs + m * groups : nullptr,
-                                          groups, qn, sn, mnn, op + m * N + n, N);
+      block_rows<S, HAS_MIN, BITS, G, NB>(xp, M, K, xs, qp + n * row_bytes, row_bytes,
+                                          sp + n * groups, HAS_MIN ? mp + n * groups : nullptr,
+                                          op + n, N);
     }
+    for (; n < n1; ++n)
+      block_rows<S, HAS_MIN, BITS, G, 1>(xp, M, K, xs, qp + n * row_bytes, row_bytes,
+                                         sp + n * groups, HAS_MIN ? mp + n * groups : nullptr,
+                                         op + n, N);
   });
+}
+
+template <typename S, bool HAS_MIN, int BITS, int G>
+void quant_matmul_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const at::Tensor* mn, at::Tensor& out) {
+  if (pair_output_rows(x.size(0))) {
+    quant_matmul_blocks<S, HAS_MIN, BITS, G, 2>(x, q, scale, mn, out);
+  } else {
+    quant_matmul_blocks<S, HAS_MIN, BITS, G, 1>(x, q, scale, mn, out);
+  }
 }
 
 template <typename S, bool HAS_MIN>
