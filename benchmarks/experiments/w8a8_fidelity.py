@@ -17,7 +17,7 @@ Prints min / mean cosine against the fp32 model's mean-pooled embeddings on the 
 (tests/factories/texts.py) and, with ``--corpus FILE.jsonl`` (lines with a "text" field, e.g.
 the peers' ``data/sentences.jsonl``), on that corpus.
 
-    python benchmarks/w8a8_fidelity.py none sq:0.5 sq:0.5:-out one:0.4:out3 --corpus s.jsonl
+    python -m benchmarks.experiments.w8a8_fidelity none sq:0.5 sq:0.5:-out one:0.4:out3 --corpus s.jsonl
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,11 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from embed_offline import make_corpus  # noqa: E402
-from factories.texts import PARITY_TEXTS  # noqa: E402
+from benchmarks.embed_offline import make_corpus
+from tests.factories.texts import PARITY_TEXTS
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
