@@ -1,0 +1,111 @@
+"""Fair shares of the scheduler's queues among calls ("groups": the requests one client ``add``
+brought in, ``Request.group_id``).
+
+A call's pooling requests keep at most about one short step's prompt tokens in the queues at
+once, its completions at most half of ``max_num_seqs``; the rest of the call is held here, in
+arrival order, and joins the waiting queue as its earlier requests finish. A request of another
+call that arrives meanwhile queues behind one share of the big call, not behind all of it, so it
+is scheduled within a step or two and small requests keep flowing while a maximal one runs,
+offline and served alike.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cenote.config import SchedulerConfig
+from cenote.request import Request
+
+# a pooling call keeps at most about this much of the engine's time in the queues: the tokens
+# the measured step rate runs in it, at most one step's budget (docs/performance.md)
+POOLING_SHARE_SECONDS = 0.08
+# steps with fewer tokens (decode) say little about the pooling rate; until a step of this many
+# is measured, a pooling call's share is this many tokens
+RATE_MIN_TOKENS = 256
+# a generation call keeps at most this part of max_num_seqs, so that others start beside it
+GENERATION_SHARE = 0.5
+
+
+@dataclass
+class _Group:
+    """One call's requests of one kind (pooling or generation)."""
+
+    num_in_flight: int = 0  # the cost of its requests in the waiting or running queue
+    held: deque[Request] = field(default_factory=deque)  # not queued yet, in arrival order
+
+
+class GroupShares:
+    """Which requests of each call may be in the scheduler's queues. The cost of a pooling
+    request is its prompt tokens, of a generation request one sequence; a call always has at
+    least one request queued. Requests without a group are never held."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.generation_share = max(int(config.max_num_seqs * GENERATION_SHARE), 1)
+        self.num_held = 0  # held requests not finished (aborted) since
+        self._token_seconds: float | None = None  # one scheduled token's share of a step
+        self._groups: dict[tuple[str, bool], _Group] = {}
+
+    @property
+    def pooling_share(self) -> int:
+        """Prompt tokens a pooling call keeps queued: what the measured rate runs in
+        ``POOLING_SHARE_SECONDS``, at most one step's budget; ``RATE_MIN_TOKENS`` until a step
+        is measured (a share of one short text would never fill a measurable step)."""
+        budget = self.max_num_batched_tokens
+        if self._token_seconds is None:
+            return min(RATE_MIN_TOKENS, budget)
+        return max(min(int(POOLING_SHARE_SECONDS / self._token_seconds), budget), 1)
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """Fold a step's duration into the rate (a moving average over measurable steps)."""
+        if seconds <= 0 or num_tokens < RATE_MIN_TOKENS:
+            return
+        token_seconds = seconds / num_tokens
+        old = self._token_seconds
+        self._token_seconds = token_seconds if old is None else 0.7 * old + 0.3 * token_seconds
+
+    def take(self, request: Request) -> bool:
+        """Count a new request against its call's share; False when it must be held (it joins
+        the queue later, from ``release``)."""
+        if request.group_id is None:
+            return True
+        group = self._groups.setdefault((request.group_id, request.is_pooling), _Group())
+        if group.num_in_flight and (group.held or not self._fits(group, request)):
+            group.held.append(request)
+            self.num_held += 1
+            return False
+        group.num_in_flight += self._cost(request)
+        return True
+
+    def release(self, request: Request) -> list[Request]:
+        """A queued request left (finished, aborted, failed): the held requests of its call
+        that now fit its share, in arrival order, to queue."""
+        if request.group_id is None:
+            return []
+        key = (request.group_id, request.is_pooling)
+        group = self._groups[key]
+        group.num_in_flight -= self._cost(request)
+        released = []
+        while group.held and (not group.num_in_flight or self._fits(group, group.held[0])):
+            held = group.held.popleft()
+            if held.is_finished:
+                continue  # aborted while held (``drop_held`` counted it)
+            group.num_in_flight += self._cost(held)
+            released.append(held)
+        self.num_held -= len(released)
+        if not group.num_in_flight and not group.held:
+            del self._groups[key]
+        return released
+
+    def drop_held(self, request: Request) -> None:
+        """A held request finished before it was queued (aborted); ``release`` skips it."""
+        self.num_held -= 1
+
+    def _fits(self, group: _Group, request: Request) -> bool:
+        share = self.pooling_share if request.is_pooling else self.generation_share
+        return group.num_in_flight + self._cost(request) <= share
+
+    @staticmethod
+    def _cost(request: Request) -> int:
+        return request.num_prompt_tokens if request.is_pooling else 1
