@@ -367,7 +367,8 @@ def _in_group(request: Request, group_id: str) -> Request:
 def test_a_small_call_runs_in_the_first_step_beside_a_big_pooling_call() -> None:
     """A call of 1,000 texts does not take the step's budget from a one-text call that came
     after it: the big call keeps one share of tokens queued (the rest is held, in order), the
-    small one is scheduled in the first step and every text of the big call finishes in order."""
+    small one is scheduled in the first step and every text of the big call finishes in order.
+    One that comes while the big call runs gets a short step: the big call adds one text."""
     scheduler = _encoder_scheduler(budget=8192)
     share = scheduler.shares.pooling_share
     big = [_in_group(_pooling(f"big-{i}", 16), "big") for i in range(1000)]
@@ -376,16 +377,17 @@ def test_a_small_call_runs_in_the_first_step_beside_a_big_pooling_call() -> None
     scheduler.add_request(_in_group(_pooling("small", 8), "small"))
     assert scheduler.num_waiting == 1001
     first_step: dict[str, int] = {}
+    later = _in_group(_pooling("later", 8), "later")
 
     def on_step(step: int, out: SchedulerOutput, outputs: list) -> None:
         big_tokens = sum(s.num_tokens for s in out.scheduled if s.request_id.startswith("big"))
-        assert big_tokens <= share
+        assert big_tokens <= (16 if step == 5 else share)
         for s in out.scheduled:
             first_step[s.request_id] = step
 
-    finished = _run(scheduler, on_step=on_step)
-    assert finished["small"] == 0
-    assert len(finished) == 1001 and not scheduler.requests and scheduler.num_waiting == 0
+    finished = _run(scheduler, {5: [later]}, on_step=on_step)
+    assert finished["small"] == 0 and finished["later"] == 5
+    assert len(finished) == 1002 and not scheduler.requests and scheduler.num_waiting == 0
     big_order = sorted(range(1000), key=lambda i: first_step[f"big-{i}"])
     assert big_order == list(range(1000))
 

@@ -3,15 +3,18 @@ brought in, ``Request.group_id``).
 
 A call's pooling requests keep at most about one short step's prompt tokens in the queues at
 once, its completions at most half of ``max_num_seqs``; the rest of the call is held here, in
-arrival order, and joins the waiting queue as its earlier requests finish. A request of another
-call that arrives meanwhile queues behind one share of the big call, not behind all of it, so it
-is scheduled within a step or two and small requests keep flowing while a maximal one runs,
-offline and served alike.
+arrival order, and joins the waiting queue at the start of a step, once its earlier requests
+finished. A request of another call that arrives meanwhile queues behind one share of the big
+call, not behind all of it; and in a step where other calls' requests wait, a call with held
+requests adds only one of them (none while it still has one queued), so the newcomers' step is
+short. Small requests keep flowing while a maximal one runs, offline and served alike, and the
+big call still progresses every step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cenote.config import SchedulerConfig
@@ -78,24 +81,35 @@ class GroupShares:
         group.num_in_flight += self._cost(request)
         return True
 
-    def release(self, request: Request) -> list[Request]:
-        """A queued request left (finished, aborted, failed): the held requests of its call
-        that now fit its share, in arrival order, to queue."""
+    def leave(self, request: Request) -> None:
+        """A queued request left (finished, aborted, failed): its cost is free again."""
         if request.group_id is None:
-            return []
+            return
         key = (request.group_id, request.is_pooling)
         group = self._groups[key]
         group.num_in_flight -= self._cost(request)
-        released = []
-        while group.held and (not group.num_in_flight or self._fits(group, group.held[0])):
-            held = group.held.popleft()
-            if held.is_finished:
-                continue  # aborted while held (``drop_held`` counted it)
-            group.num_in_flight += self._cost(held)
-            released.append(held)
-        self.num_held -= len(released)
         if not group.num_in_flight and not group.held:
             del self._groups[key]
+
+    def release(self, waiting: Iterable[Request]) -> list[Request]:
+        """At the start of a step, given the waiting queue: the held requests that join it now,
+        in each call's arrival order. A call adds what fits its share; where other calls'
+        requests wait, only one request, and only when it has none queued."""
+        waiting_keys = {_key(request) for request in waiting}
+        released = []
+        for key, group in list(self._groups.items()):
+            yields = bool(waiting_keys - {key})
+            while group.held and (
+                not group.num_in_flight or (not yields and self._fits(group, group.held[0]))
+            ):
+                held = group.held.popleft()
+                if held.is_finished:
+                    continue  # aborted while held (``drop_held`` counted it)
+                group.num_in_flight += self._cost(held)
+                released.append(held)
+            if not group.num_in_flight and not group.held:
+                del self._groups[key]
+        self.num_held -= len(released)
         return released
 
     def drop_held(self, request: Request) -> None:
@@ -109,3 +123,8 @@ class GroupShares:
     @staticmethod
     def _cost(request: Request) -> int:
         return request.num_prompt_tokens if request.is_pooling else 1
+
+
+def _key(request: Request) -> tuple[str, bool] | None:
+    """The call a request shares with (None: it shares with nobody)."""
+    return None if request.group_id is None else (request.group_id, request.is_pooling)

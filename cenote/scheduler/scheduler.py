@@ -112,10 +112,8 @@ class Scheduler:
         del self.requests[request.request_id]
         if was_held:
             self.shares.drop_held(request)
-            return
-        for released in self.shares.release(request):  # the call's next requests fit now
-            released.status = RequestStatus.WAITING
-            self._enqueue(released)
+        else:
+            self.shares.leave(request)
 
     def record_step_time(self, num_tokens: int, seconds: float) -> None:
         """How long a step of ``num_tokens`` scheduled tokens ran: the rate that sizes a pooling
@@ -161,13 +159,18 @@ class Scheduler:
         in FCFS (or priority) order, and a waiting request never jumps ahead of an earlier one
         that does not fit. The waiting queue holds only each call's share of its requests
         (``GroupShares``: about one short step of a pooling call's tokens, half of the
-        sequences for a generation call), so a request of another call is scheduled within a
-        step or two, whatever the size of the calls before it. A request is its ``num_computed_tokens`` catching up with
+        sequences for a generation call; one request while other calls' requests wait), so a
+        request of another call is scheduled in the next step, whatever the size of the calls
+        before it. A request is its ``num_computed_tokens`` catching up with
         ``num_tokens``; encoder requests are scheduled whole. When KV blocks run out, the newest
         (or lowest-priority) running request is preempted and recomputed later. With speculative
         decoding a decoding request may add draft tokens past ``num_tokens``: they take budget
         and KV slots, but only the accepted ones are ever counted as computed.
         """
+        # 0) held requests of each call join the queue, behind those that arrived meanwhile
+        for released in self.shares.release(self.waiting):
+            released.status = RequestStatus.WAITING
+            self._enqueue(released)
         budget = self.config.max_num_batched_tokens
         logprobs_budget = self.config.max_prompt_logprobs_tokens
         scheduled: list[ScheduledRequest] = []
