@@ -5,10 +5,10 @@ A call's pooling requests keep at most about one short step's prompt tokens in t
 once, its completions at most half of ``max_num_seqs``; the rest of the call is held here, in
 arrival order, and joins the waiting queue at the start of a step, once its earlier requests
 finished. A request of another call that arrives meanwhile queues behind one share of the big
-call, not behind all of it; and in a step where other calls' requests wait, a call with held
-requests adds only one of them (none while it still has one queued), so the newcomers' step is
-short. Small requests keep flowing while a maximal one runs, offline and served alike, and the
-big call still progresses every step.
+call, not behind all of it; and where other calls' requests wait at the start of a step, a
+call with held requests adds none in that step (at most every other step), so the newcomers'
+step is short. Small requests keep flowing while a maximal one runs, offline and served alike,
+and the big call still progresses at least every other step.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class _Group:
 
     num_in_flight: int = 0  # the cost of its requests in the waiting or running queue
     held: deque[Request] = field(default_factory=deque)  # not queued yet, in arrival order
+    yielded: bool = False  # it added nothing at the last step's start, for other calls
 
 
 class GroupShares:
@@ -85,22 +86,25 @@ class GroupShares:
         """A queued request left (finished, aborted, failed): its cost is free again."""
         if request.group_id is None:
             return
-        key = (request.group_id, request.is_pooling)
-        group = self._groups[key]
+        group = self._groups[(request.group_id, request.is_pooling)]
         group.num_in_flight -= self._cost(request)
-        if not group.num_in_flight and not group.held:
-            del self._groups[key]
+        self._forget_if_done(request.group_id, request.is_pooling)
 
     def release(self, waiting: Iterable[Request]) -> list[Request]:
         """At the start of a step, given the waiting queue: the held requests that join it now,
-        in each call's arrival order. A call adds what fits its share; where other calls'
-        requests wait, only one request, and only when it has none queued."""
+        in each call's arrival order. A call adds what fits its share (at least one request
+        when it has none queued), except that it adds nothing where other calls' requests
+        wait, unless it did so at the step before."""
+        if not self.num_held:
+            return []
         waiting_keys = {_key(request) for request in waiting}
         released = []
         for key, group in list(self._groups.items()):
-            yields = bool(waiting_keys - {key})
-            while group.held and (
-                not group.num_in_flight or (not yields and self._fits(group, group.held[0]))
+            group.yielded = bool(group.held) and not group.yielded and bool(waiting_keys - {key})
+            while (
+                group.held
+                and not group.yielded
+                and (not group.num_in_flight or self._fits(group, group.held[0]))
             ):
                 held = group.held.popleft()
                 if held.is_finished:
@@ -114,7 +118,19 @@ class GroupShares:
 
     def drop_held(self, request: Request) -> None:
         """A held request finished before it was queued (aborted); ``release`` skips it."""
+        assert request.group_id is not None and request.is_finished
         self.num_held -= 1
+        self._forget_if_done(request.group_id, request.is_pooling)
+
+    def _forget_if_done(self, group_id: str, is_pooling: bool) -> None:
+        """Drop the finished requests at the head of a call's held ones; forget a call with
+        nothing queued and nothing held."""
+        key = (group_id, is_pooling)
+        group = self._groups[key]
+        while group.held and group.held[0].is_finished:
+            group.held.popleft()
+        if not group.num_in_flight and not group.held:
+            del self._groups[key]
 
     def _fits(self, group: _Group, request: Request) -> bool:
         share = self.pooling_share if request.is_pooling else self.generation_share

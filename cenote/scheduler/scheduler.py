@@ -159,9 +159,9 @@ class Scheduler:
         in FCFS (or priority) order, and a waiting request never jumps ahead of an earlier one
         that does not fit. The waiting queue holds only each call's share of its requests
         (``GroupShares``: about one short step of a pooling call's tokens, half of the
-        sequences for a generation call; one request while other calls' requests wait), so a
-        request of another call is scheduled in the next step, whatever the size of the calls
-        before it. A request is its ``num_computed_tokens`` catching up with
+        sequences for a generation call; none in a step where other calls' requests wait, at
+        most every other step), so a request of another call is scheduled in the next step,
+        whatever the size of the calls before it. A request is its ``num_computed_tokens`` catching up with
         ``num_tokens``; encoder requests are scheduled whole. When KV blocks run out, the newest
         (or lowest-priority) running request is preempted and recomputed later. With speculative
         decoding a decoding request may add draft tokens past ``num_tokens``: they take budget
