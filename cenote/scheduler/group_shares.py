@@ -41,8 +41,9 @@ class _Group:
 
 class GroupShares:
     """Which requests of each call may be in the scheduler's queues. The cost of a pooling
-    request is its prompt tokens, of a generation request one sequence; a call always has at
-    least one request queued. Requests without a group are never held."""
+    request is its prompt tokens, of a generation request one sequence; a call has at least
+    one request queued but in a step it yields to other calls (``release``). Requests without
+    a group are never held."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.max_num_batched_tokens = config.max_num_batched_tokens
