@@ -366,9 +366,11 @@ def _in_group(request: Request, group_id: str) -> Request:
 
 def test_a_small_call_runs_in_the_first_step_beside_a_big_pooling_call() -> None:
     """A call of 1,000 texts does not take the step's budget from a one-text call that came
-    after it: the big call keeps one share of tokens queued (the rest is held, in order), the
-    small one is scheduled in the first step and every text of the big call finishes in order.
-    One that comes while the big call runs gets a step of its own: the big call yields it."""
+    after it: with another call in the engine the big call keeps one share of tokens queued
+    (the rest goes back to held, in order), the small one is scheduled in the first step and
+    every text of the big call finishes in order. One that comes while the big call runs gets
+    a step of its own: the big call yields it. Alone, the big call runs full steps (an offline
+    call schedules as it did before shares)."""
     scheduler = _encoder_scheduler(budget=8192)
     share = scheduler.shares.pooling_share
     big = [_in_group(_pooling(f"big-{i}", 16), "big") for i in range(1000)]
@@ -379,13 +381,20 @@ def test_a_small_call_runs_in_the_first_step_beside_a_big_pooling_call() -> None
     first_step: dict[str, int] = {}
     later = _in_group(_pooling("later", 8), "later")
 
+    big_tokens_per_step: list[int] = []
+
     def on_step(step: int, out: SchedulerOutput, outputs: list) -> None:
         big_tokens = sum(s.num_tokens for s in out.scheduled if s.request_id.startswith("big"))
-        assert big_tokens <= (0 if step == 5 else share)
+        big_tokens_per_step.append(big_tokens)
+        if step == 0:
+            assert big_tokens <= share  # beside the small call
+        if step == 5:
+            assert big_tokens == 0  # the newcomer's step
         for s in out.scheduled:
             first_step[s.request_id] = step
 
     finished = _run(scheduler, {5: [later]}, on_step=on_step)
+    assert big_tokens_per_step[1] == 256 * 16  # alone again: a full step (max_num_seqs rows)
     assert finished["small"] == 0 and finished["later"] == 5
     assert len(finished) == 1002 and not scheduler.requests and scheduler.num_waiting == 0
     big_order = sorted(range(1000), key=lambda i: first_step[f"big-{i}"])
@@ -436,14 +445,35 @@ def test_decode_rows_run_every_step_beside_a_big_pooling_call() -> None:
     assert finished["chat"] < finished["big-199"]
 
 
+def test_a_pooling_call_alone_queues_all_of_itself_and_shares_when_another_comes() -> None:
+    """Alone, a call's texts all queue (full steps, as offline before shares); when a second
+    call arrives, the first call's unstarted texts past its share go back to held, in order."""
+    scheduler = _encoder_scheduler(budget=8192)
+    share = scheduler.shares.pooling_share
+    for i in range(100):
+        scheduler.add_request(_in_group(_pooling(f"big-{i}", 16), "big"))
+    assert len(scheduler.waiting) == 100 and scheduler.shares.num_held == 0
+    scheduler.add_request(_in_group(_pooling("small", 8), "small"))
+    out = scheduler.schedule()
+    ids = [s.request_id for s in out.scheduled]
+    assert (
+        "small" in ids
+        and sum(s.num_tokens for s in out.scheduled if s.request_id != "small") <= share
+    )
+    held = [r.request_id for r in scheduler.requests.values() if r.status == RequestStatus.HELD]
+    assert held == [f"big-{i}" for i in range(100 - len(held), 100)] and held  # the newest
+    assert [r.request_id for r in scheduler.shares._groups["big", True].held] == held  # in order
+
+
 def test_held_requests_can_be_aborted() -> None:
     """Aborting a big call's held requests (the client went away) forgets them: the queue
     never schedules them and the engine goes idle."""
     scheduler = _encoder_scheduler(budget=1000)
+    scheduler.add_request(_in_group(_pooling("other", 8), "other"))  # so the big call shares
     for i in range(100):
         scheduler.add_request(_in_group(_pooling(f"big-{i}", 100), "big"))
     assert scheduler.requests["big-50"].status == RequestStatus.HELD
     scheduler.finish_requests([f"big-{i}" for i in range(1, 100)], RequestStatus.FINISHED_ABORTED)
-    assert scheduler.num_waiting == 1
-    assert sorted(_run(scheduler)) == ["big-0"]
+    assert scheduler.num_waiting == 2
+    assert sorted(_run(scheduler)) == ["big-0", "other"]
     assert not scheduler.has_unfinished_requests() and scheduler.shares.num_held == 0

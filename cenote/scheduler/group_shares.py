@@ -8,7 +8,11 @@ finished. A request of another call that arrives meanwhile queues behind one sha
 call, not behind all of it; and where other calls' requests wait at the start of a step, a
 call with held requests adds none in that step (at most every other step), so the newcomers'
 step is short. Small requests keep flowing while a maximal one runs, offline and served alike,
-and the big call still progresses at least every other step.
+and the big call still progresses at least every other step. A pooling call alone in the engine
+has no share (it queues all of itself, so one offline call runs full steps as before); when
+another call arrives, its queued requests that never started past its share go back to held
+(``reclaim``), so the newcomer waits for at most the step in flight. A generation call keeps
+its half of the sequences even alone: its running sequences cannot be taken back.
 """
 
 from __future__ import annotations
@@ -91,6 +95,29 @@ class GroupShares:
         group.num_in_flight -= self._cost(request)
         self._forget_if_done(request.group_id, request.is_pooling)
 
+    def reclaim(self, waiting: Iterable[Request]) -> list[Request]:
+        """Where more than one call is in the queues: the queued pooling requests that never
+        started of each call past its share (a call that had the engine alone queued all of itself), newest
+        first, which go back to the head of their call's held ones; a call keeps at least one
+        request queued. The scheduler takes them out of its waiting queue."""
+        if len(self._groups) < 2:
+            return []
+        reclaimed = []
+        for request in reversed(list(waiting)):
+            key = _key(request)
+            if key is None or not request.is_pooling or request.num_computed_tokens:
+                continue
+            group = self._groups[key]
+            cost = self._cost(request)
+            share = self.pooling_share if request.is_pooling else self.generation_share
+            if group.num_in_flight <= share or group.num_in_flight - cost <= 0:
+                continue
+            group.num_in_flight -= cost
+            group.held.appendleft(request)  # newest first: the held keep arrival order
+            reclaimed.append(request)
+        self.num_held += len(reclaimed)
+        return reclaimed
+
     def release(self, waiting: Iterable[Request]) -> list[Request]:
         """At the start of a step, given the waiting queue: the held requests that join it now,
         in each call's arrival order. A call adds what fits its share (at least one request
@@ -134,6 +161,8 @@ class GroupShares:
             del self._groups[key]
 
     def _fits(self, group: _Group, request: Request) -> bool:
+        if request.is_pooling and len(self._groups) == 1:
+            return True  # alone in the engine: no one to share with (``reclaim`` when one comes)
         share = self.pooling_share if request.is_pooling else self.generation_share
         return group.num_in_flight + self._cost(request) <= share
 

@@ -167,7 +167,11 @@ class Scheduler:
         decoding a decoding request may add draft tokens past ``num_tokens``: they take budget
         and KV slots, but only the accepted ones are ever counted as computed.
         """
-        # 0) held requests of each call join the queue, behind those that arrived meanwhile
+        # 0) a call past its share since another arrived gives back its unstarted requests; held
+        # requests of each call join the queue, behind those that arrived meanwhile
+        for reclaimed in self.shares.reclaim(self.waiting):
+            self.waiting.remove(reclaimed)
+            reclaimed.status = RequestStatus.HELD
         for released in self.shares.release(self.waiting):
             released.status = RequestStatus.WAITING
             self._enqueue(released)
