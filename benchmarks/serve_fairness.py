@@ -5,8 +5,9 @@ request of --max-request-tokens (65,536) tokens.
 
 Prints the CPU, then p50/p99/max latency of one-sentence embeddings and of /health, idle and
 while maximal requests (256 inputs x 256 tokens) run back to back, and how long a maximal request
-takes. A big request goes to the core in waves, so a small one waits for about one step, not for
-the whole big request.
+takes. The scheduler keeps about one short step of a big request's tokens in its queue
+(``scheduler/group_shares.py``), so a small one waits for about one step, not for the whole big
+request.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
+    # the call it came in (the client's ``add`` sets it): the scheduler shares its queues
+    # fairly among calls; None: never held back
+    group_id: str | None = None
     # an image prompt: [3, height, width] fp32, preprocessed in the front; its prompt_token_ids
     # are placeholders, one per image token (the vision tower reads these pixels)
     pixel_values: torch.Tensor | None = None

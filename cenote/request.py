@@ -19,14 +19,15 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    HELD = 1  # not queued yet: its call's share is full (scheduler/group_shares.py)
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_POOLED = 6
-    FINISHED_ERROR = 7  # its step raised; the request gets an error output
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_POOLED = 7
+    FINISHED_ERROR = 8  # its step raised; the request gets an error output
 
     @property
     def is_finished(self) -> bool:
@@ -58,6 +59,7 @@ class Request:
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first when the scheduler uses priorities
+    group_id: str | None = None  # the call it came in; the scheduler shares among calls
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

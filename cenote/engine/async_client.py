@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -21,7 +19,7 @@ from tokenizers import Tokenizer
 from cenote.config import EngineConfig
 from cenote.engine.capabilities import ModelCapabilities
 from cenote.engine.core_launcher import CoreLauncher, Executor, make_launcher
-from cenote.engine.input_processor import ParentRequest
+from cenote.engine.input_processor import ParentRequest, assign_group
 from cenote.engine.ipc import (
     AbortRequests,
     AddRequests,
@@ -35,40 +33,11 @@ from cenote.engine.ipc import (
 )
 from cenote.engine.output_processor import OutputProcessor, RequestFailure, UserOutput
 from cenote.errors import EngineDeadError
-from cenote.messages import EngineCoreRequest, SchedulerStats
+from cenote.messages import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-# a pooling request keeps at most about this much of the core's time in it at once (tokens the
-# measured step rate runs in it, at most one step's token budget), so a small request waits
-# for about one such step behind a maximal one, whatever the CPU (docs/performance.md)
-_POOLING_WAVE_SECONDS = 0.08
-_RATE_MIN_TOKENS = 256  # steps with fewer tokens (decode) say little about the pooling rate
-# a generation request keeps at most this share of --max-num-seqs running at once, so that
-# others start at once beside it
-_GENERATION_WAVE_SHARE = 0.5
-
 StepCallback = Callable[[SchedulerStats | None, list[float]], None]
-
-
-@dataclass
-class _Unit:
-    """What one wave sends and finishes as one: a pooling request (keyed by its user id,
-    costing its prompt tokens) or one completion of a generation request (its engine id,
-    costing one sequence)."""
-
-    key: str
-    requests: list[EngineCoreRequest]
-    cost: int
-
-
-@dataclass
-class _Wave:
-    """The requests of one ``add`` call still to send, and the cost in flight."""
-
-    unsent: deque[_Unit]
-    window: int | None  # cost in flight at once (after the first unit); None: pooling's
-    in_flight: dict[str, int] = field(default_factory=dict)  # unit key -> its cost
 
 
 class AsyncEngineClient:
@@ -94,7 +63,6 @@ class AsyncEngineClient:
         self.core_threads: tuple[int, tuple[int, ...]] | None = None
         # user request id -> its outputs, or the exception that ends it
         self.queues: dict[str, asyncio.Queue[UserOutput | Exception]] = {}
-        self._waves: dict[str, _Wave] = {}  # pooling request id -> its wave, until it finishes
         self._encoder = make_encoder()
         self._decoder = output_decoder()
         self.executor = executor
@@ -103,7 +71,6 @@ class AsyncEngineClient:
         self._context: zmq.asyncio.Context | None = None  # with the sockets, from start()
         self._output_task: asyncio.Task[None] | None = None  # reads the core's messages
         self._last_heard = time.monotonic()  # the core's last message (heartbeat or outputs)
-        self._token_seconds: float | None = None  # a pooling token's share of a step (average)
         self._closing = False
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -176,12 +143,9 @@ class AsyncEngineClient:
     # ---- requests ---------------------------------------------------------------------------
 
     def add(self, requests: Sequence[ParentRequest]) -> None:
-        """Register and send ``requests``; read each one's results with ``outputs``.
-
-        The pooling requests of one call go out in waves of about one step's token budget, the
-        next as an earlier one finishes; the completions of a generation call (prompts x n) in
-        waves of half of ``max_num_seqs``: requests that arrive meanwhile queue behind a wave,
-        not behind all of it, and small requests keep flowing while a maximal one runs."""
+        """Register and send ``requests``, all at once, as one call; read each one's results
+        with ``outputs``. The core's scheduler keeps small requests flowing beside a big call
+        (``scheduler/group_shares.py``), as it does offline."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         added: list[str] = []
@@ -192,23 +156,10 @@ class AsyncEngineClient:
                 self.queues[request.request_id] = asyncio.Queue()
                 self.output_processor.add_request(request)
                 added.append(request.request_id)
-            scheduler = self.config.scheduler
-            generation = [
-                _Unit(c.request_id, [c], 1)
-                for r in requests
-                if r.pooling_params is None
-                for c in r.children
-            ]
-            if generation:
-                share = max(int(scheduler.max_num_seqs * _GENERATION_WAVE_SHARE), 1)
-                self._start_wave(_Wave(deque(generation), share))
-            pooling = [
-                _Unit(r.request_id, r.children, len(r.prompt_token_ids))
-                for r in requests
-                if r.pooling_params is not None
-            ]
-            if pooling:
-                self._start_wave(_Wave(deque(pooling), None))
+            assign_group(requests)
+            children = [child for request in requests for child in request.children]
+            if children:
+                self._send(AddRequests(requests=children))
         except BaseException:
             self.abort(added)
             raise
@@ -238,62 +189,11 @@ class AsyncEngineClient:
             to_abort.extend(self.output_processor.abort(request_id))
         if to_abort and self.dead_reason is None:
             self._send(AbortRequests(request_ids=to_abort))
-        self._finish_units([*request_ids, *to_abort])
-
-    def _start_wave(self, wave: _Wave) -> None:
-        self._waves.update((unit.key, wave) for unit in wave.unsent)
-        self._send_wave(wave)
-
-    def _send_wave(self, wave: _Wave) -> None:
-        """Send the wave's next units while they fit its window (at least one)."""
-        batch = []
-        window = wave.window if wave.window is not None else self.pooling_window
-        while wave.unsent and (
-            not wave.in_flight or sum(wave.in_flight.values()) + wave.unsent[0].cost <= window
-        ):
-            unit = wave.unsent.popleft()
-            if unit.requests[0].request_id not in self.output_processor.parent_of:
-                self._waves.pop(unit.key, None)
-                continue  # aborted before it went out
-            wave.in_flight[unit.key] = unit.cost
-            batch.extend(unit.requests)
-        if batch and self.dead_reason is None:
-            self._send(AddRequests(requests=batch))
-
-    def _finish_units(self, keys: Iterable[str]) -> None:
-        """Take finished (or aborted) units out of their waves, and send what now fits."""
-        waves: dict[int, _Wave] = {}
-        for key in keys:
-            wave = self._waves.pop(key, None)
-            if wave is not None:
-                wave.in_flight.pop(key, None)
-                waves[id(wave)] = wave
-        for wave in waves.values():
-            self._send_wave(wave)
 
     def _send(self, message: CoreInput) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         self._inputs.send(self._encoder.encode(message), copy=False)
-
-    @property
-    def pooling_window(self) -> int:
-        """Prompt tokens a pooling wave keeps in the core: what the measured rate runs in
-        ``_POOLING_WAVE_SECONDS``, at most one step's budget. Until a step is measured: the
-        fewest tokens a step must hold to be measured (a window of 1, one request at a time,
-        never measured a step of short texts: the server then embedded them one per step)."""
-        budget = self.config.scheduler.max_num_batched_tokens
-        if self._token_seconds is None:
-            return min(_RATE_MIN_TOKENS, budget)
-        return max(min(int(_POOLING_WAVE_SECONDS / self._token_seconds), budget), 1)
-
-    def _measure(self, message: StepOutputs) -> None:
-        num_tokens = message.outputs.stats.num_scheduled_tokens if message.outputs.stats else 0
-        if message.step_seconds <= 0 or num_tokens < _RATE_MIN_TOKENS:
-            return
-        seconds = message.step_seconds / num_tokens
-        old = self._token_seconds
-        self._token_seconds = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     @property
     def dead_cores(self) -> dict[int, str]:
@@ -319,7 +219,6 @@ class AsyncEngineClient:
                 return
             if not isinstance(message, StepOutputs):
                 continue
-            self._measure(message)
             engine_outputs = message.outputs.outputs
             outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
             for output in outputs:
@@ -328,8 +227,5 @@ class AsyncEngineClient:
                     queue.put_nowait(output.error if isinstance(output, RequestFailure) else output)
             if to_abort:
                 self._send(AbortRequests(request_ids=to_abort))
-            finished = [o.request_id for o in outputs if o.finished]  # pooling units
-            finished += [o.request_id for o in engine_outputs if o.finish_reason or o.error]
-            self._finish_units([*finished, *to_abort])
             if self.on_step is not None:
                 self.on_step(message.outputs.stats, message.queue_times)

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from cenote.engine.capabilities import ModelCapabilities
 from cenote.engine.core import EngineCore, refused_output
 from cenote.engine.heap import old_objects_set_aside
-from cenote.engine.input_processor import ParentRequest
+from cenote.engine.input_processor import ParentRequest, assign_group
 from cenote.engine.output_processor import (
     OutputProcessor,
     RequestFailure,
@@ -74,8 +74,10 @@ class InProcessClient:
         return self.engine.capabilities
 
     def add(self, requests: Sequence[ParentRequest]) -> None:
-        """All or none: a request the core refuses (``RequestRejectedError``) leaves none of
-        ``requests`` behind."""
+        """``requests`` as one call (the scheduler shares its queues among calls); all or none:
+        a request the core refuses (``RequestRejectedError``) leaves none of ``requests``
+        behind."""
+        assign_group(requests)
         added: list[str] = []
         try:
             for request in requests:
@@ -129,9 +131,12 @@ class InProcessClient:
             made = deque(maker.submit(part) for part in parts)
 
             def add_ready() -> None:
-                # a part is added once made; when the engine has nothing else, wait for it
+                # a part is added once made; when the engine has nothing else, wait for it;
+                # the parts are one call (one share of the scheduler's queues)
                 while made and (made[0].done() or not self.engine.has_unfinished_requests()):
-                    self.add(made.popleft().result())
+                    part = made.popleft().result()
+                    assign_group(part, group_id=request_ids[0] if request_ids else None)
+                    self.add(part)
 
             try:
                 with old_objects_set_aside():

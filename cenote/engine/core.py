@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
@@ -241,6 +242,7 @@ class EngineCore:
             eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time,
             priority=request.priority,
+            group_id=request.group_id,
             lora_request=request.lora_request,
             pixel_values=request.pixel_values,
         )
@@ -312,6 +314,7 @@ class EngineCore:
             wait(pending, timeout=_GRAMMAR_WAIT_SECONDS, return_when=FIRST_COMPLETED)
             refused += self._admit_compiled()
         # 1) schedule
+        started = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         try:
             # 2) execute
@@ -319,6 +322,9 @@ class EngineCore:
             # 3) update
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
             self._consecutive_failures = 0
+            self.scheduler.record_step_time(
+                scheduler_output.total_num_scheduled_tokens, time.monotonic() - started
+            )
         except Exception as e:
             self._consecutive_failures += 1
             if self._consecutive_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:

@@ -146,14 +146,11 @@ class _CoreLoop:
             step = self.engine.step()
         still_waiting = {r.request_id for r in self.engine.scheduler.waiting}
         queue_times = [started - t for rid, t in waiting.items() if rid not in still_waiting]
-        step_seconds = time.monotonic() - started
         step.outputs.extend(failed)
-        self._send(step, queue_times, step_seconds)
+        self._send(step, queue_times)
 
-    def _send(
-        self, outputs: EngineCoreOutputs, queue_times: list[float], step_seconds: float = 0.0
-    ) -> None:
-        message = StepOutputs(outputs=outputs, queue_times=queue_times, step_seconds=step_seconds)
+    def _send(self, outputs: EngineCoreOutputs, queue_times: list[float]) -> None:
+        message = StepOutputs(outputs=outputs, queue_times=queue_times)
         self.outputs.send(self.encoder.encode(message), copy=False)
 
     def _stats(self) -> SchedulerStats:

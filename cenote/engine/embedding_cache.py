@@ -37,7 +37,7 @@ OUTPUT_NEUTRAL_PARAMS = frozenset(
      "chunk_overlap"}
 )  # fmt: skip
 OUTPUT_NEUTRAL_REQUEST_FIELDS = frozenset(
-    {"request_id", "sampling_params", "eos_token_id", "arrival_time", "priority"}
+    {"request_id", "sampling_params", "eos_token_id", "arrival_time", "priority", "group_id"}
 )
 CACHED_TASKS = frozenset({"embed", "classify", "embed_sparse"})  # one result per input
 _ENTRY_OVERHEAD_BYTES = 512  # an entry's Python objects (dict slot, key tuple, tensor object)

@@ -55,6 +55,18 @@ class ParentRequest:
         return self.children[0].pooling_params
 
 
+def assign_group(requests: Sequence[ParentRequest], group_id: str | None = None) -> None:
+    """Make ``requests`` one call for the scheduler's fair shares (``scheduler/group_shares.py``):
+    each engine request without a group joins ``group_id`` (None: the first request's id)."""
+    if not requests:
+        return
+    group = group_id if group_id is not None else requests[0].request_id
+    for request in requests:
+        for child in request.children:
+            if child.group_id is None:
+                child.group_id = group
+
+
 class InputProcessor:
     """Validates at the edge, with errors that carry the numbers."""
 

@@ -47,7 +47,6 @@ class StepOutputs(msgspec.Struct, tag=True):
 
     outputs: EngineCoreOutputs
     queue_times: list[float]  # seconds waited by requests first scheduled in this step
-    step_seconds: float = 0.0  # how long the step ran (0: no step, only gauges or failures)
 
 
 class CoreFailed(msgspec.Struct, tag=True):

@@ -12,6 +12,7 @@ from cenote.kv_cache.block_pool import KVCacheBlock
 from cenote.kv_cache.manager import KVCacheManager
 from cenote.messages import EngineCoreOutput, LogprobsLists, ModelRunnerOutput
 from cenote.request import FINISH_REASONS, Request, RequestStatus
+from cenote.scheduler.group_shares import GroupShares
 from cenote.scheduler.output import ScheduledRequest, SchedulerOutput
 from cenote.spec_decode.ngram import NgramProposer
 from cenote.spec_decode.pacing import DraftPacing
@@ -49,6 +50,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_request_ids: set[str] = set()
+        self.shares = GroupShares(scheduler_config)  # each call's part of the queues
         self.speculative = speculative
         if proposer is None and speculative is not None:
             proposer = NgramProposer(speculative)
@@ -70,7 +72,10 @@ class Scheduler:
             f"but max_num_batched_tokens is {self.config.max_num_batched_tokens}"
         )
         self.requests[request.request_id] = request
-        self._enqueue(request)
+        if self.shares.take(request):
+            self._enqueue(request)
+        else:
+            request.status = RequestStatus.HELD
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if self.config.policy == "priority":
@@ -90,13 +95,14 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request.status != RequestStatus.HELD:
                 self.waiting.remove(request)
             self._free(request, status)
             finished.append(request)
         return finished
 
     def _free(self, request: Request, status: RequestStatus) -> None:
+        was_held = request.status == RequestStatus.HELD
         request.status = status
         if self.kv_cache_manager is not None:
             self.kv_cache_manager.free(request)
@@ -104,13 +110,23 @@ class Scheduler:
             self.proposer.release(request.request_id)
         self.finished_request_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if was_held:
+            self.shares.drop_held(request)
+        else:
+            self.shares.leave(request)
+
+    def record_step_time(self, num_tokens: int, seconds: float) -> None:
+        """How long a step of ``num_tokens`` scheduled tokens ran: the rate that sizes a pooling
+        call's share of the queues (``GroupShares.pooling_share``)."""
+        self.shares.record_step(num_tokens, seconds)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.shares.num_held)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests not running yet: queued, or held back by their call's share."""
+        return len(self.waiting) + self.shares.num_held
 
     @property
     def num_running(self) -> int:
@@ -141,12 +157,24 @@ class Scheduler:
         per step, of which at most ``max_prompt_logprobs_tokens`` are prompt tokens of requests
         asking for prompt logprobs; running requests go first (oldest first), then waiting ones
         in FCFS (or priority) order, and a waiting request never jumps ahead of an earlier one
-        that does not fit. A request is its ``num_computed_tokens`` catching up with
+        that does not fit. The waiting queue holds only each call's share of its requests
+        (``GroupShares``: about one short step of a pooling call's tokens, half of the
+        sequences for a generation call; none in a step where other calls' requests wait, at
+        most every other step), so a request of another call is scheduled in the next step,
+        whatever the size of the calls before it. A request is its ``num_computed_tokens`` catching up with
         ``num_tokens``; encoder requests are scheduled whole. When KV blocks run out, the newest
         (or lowest-priority) running request is preempted and recomputed later. With speculative
         decoding a decoding request may add draft tokens past ``num_tokens``: they take budget
         and KV slots, but only the accepted ones are ever counted as computed.
         """
+        # 0) a call past its share since another arrived gives back its unstarted requests; held
+        # requests of each call join the queue, behind those that arrived meanwhile
+        for reclaimed in self.shares.reclaim(self.waiting):
+            self.waiting.remove(reclaimed)
+            reclaimed.status = RequestStatus.HELD
+        for released in self.shares.release(self.waiting):
+            released.status = RequestStatus.WAITING
+            self._enqueue(released)
         budget = self.config.max_num_batched_tokens
         logprobs_budget = self.config.max_prompt_logprobs_tokens
         scheduled: list[ScheduledRequest] = []

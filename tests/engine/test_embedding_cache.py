@@ -100,7 +100,7 @@ def test_every_engine_request_field_is_keyed_or_declared_neutral() -> None:
     image = dataclasses.replace(base, pixel_values=torch.zeros(3, 2, 2))
     same_pixels = dataclasses.replace(base, pixel_values=torch.zeros(3, 2, 2))
     assert cache_key("m", image) == cache_key("m", same_pixels)
-    neutral = dataclasses.replace(base, request_id="b", priority=4, eos_token_id=2)
+    neutral = dataclasses.replace(base, request_id="b", priority=4, eos_token_id=2, group_id="g")
     assert cache_key("m", neutral) == cache_key("m", base)
     assert cache_key("other-model", base) != cache_key("m", base)
 

@@ -376,8 +376,8 @@ def test_long_input_chunked_over_http(http, offline):
 
 def test_short_inputs_share_steps(server, http):
     """256 short texts in one request run in a few engine steps, not one step each: a pooling
-    wave holds a measurable step's worth of tokens before any step time is known (it held one
-    request, and a step of one short text is never measured: the server ran 128 texts/s)."""
+    call's share holds a measurable step's worth of tokens before any step time is known (a
+    share of one request never measured a step of one short text: the server ran 128 texts/s)."""
     texts = [f"text number {i}" for i in range(256)]
     before = server.num_steps()
     response = http.post("/v1/embeddings", json={"input": texts})

@@ -110,8 +110,8 @@ def test_a_request_over_the_token_bound_is_400(emb):
 
 
 def test_small_requests_flow_while_a_maximal_one_runs(default_server):
-    """A maximal request goes to the core in waves: a small request sent after it is answered
-    before it, and /health answers meanwhile."""
+    """A maximal request keeps one share of the core's queue (the rest is held): a small
+    request sent after it is answered before it, and /health answers meanwhile."""
     big = {"input": ["word " * 300] * 256, "truncate_prompt_tokens": -1}  # 65,536 tokens
 
     async def run() -> list[str]:

@@ -20,7 +20,7 @@ def llama_server(tmp_path_factory):
     make_decoder(folder, "llama")
     server = ServerProcess(
         str(folder), "--dtype", "float32", "--num-threads", "1", "--max-response-values", "2000",
-        "--max-num-seqs", "4",  # the waves test: a request of 8 completions fills every slot
+        "--max-num-seqs", "4",  # the shares test: a request of 8 completions fills every slot
     )  # fmt: skip
     try:
         yield server
@@ -219,14 +219,14 @@ def test_streamed_text_with_a_stop_string_equals_the_full_text(llama_server):
     assert "".join(c["text"] for chunk in chunks for c in chunk["choices"]) == choice["text"]
 
 
-# ---- fairness: a generation request's completions go out in waves -------------------------
+# ---- fairness: a generation request's completions keep half of the sequences --------------
 
 TIMEOUT = 120
 
 
 def test_a_small_request_runs_beside_a_big_generation_request(llama_server):
     """The big request's 8 completions would fill every slot for 240 steps, the small request
-    (sent after it) waiting behind 4 of them; its waves hold 2 of the 4 slots, so the small
+    (sent after it) waiting behind 4 of them; its share is 2 of the 4 slots, so the small
     request runs at once, while the big one has streamed a small part of its tokens."""
     big = {"prompt": "w5 w6", "n": 8, "max_tokens": 240, "ignore_eos": True, "stream": True}
     chunks: list[str] = []

@@ -354,3 +354,126 @@ def test_priority_policy_runs_interactive_requests_before_queued_batch_lines() -
         order.append([s.request_id for s in out.scheduled])
         scheduler.update_from_output(out, _fake_runner(scheduler, out))
     assert order == [["chat"], ["batch-0"], ["batch-1"], ["batch-2"]]
+
+
+# ---- fair shares among calls (scheduler/group_shares.py) ------------------------------------
+
+
+def _in_group(request: Request, group_id: str) -> Request:
+    request.group_id = group_id
+    return request
+
+
+def test_a_small_call_runs_in_the_first_step_beside_a_big_pooling_call() -> None:
+    """A call of 1,000 texts does not take the step's budget from a one-text call that came
+    after it: with another call in the engine the big call keeps one share of tokens queued
+    (the rest goes back to held, in order), the small one is scheduled in the first step and
+    every text of the big call finishes in order. One that comes while the big call runs gets
+    a step of its own: the big call yields it. Alone, the big call runs full steps (an offline
+    call schedules as it did before shares)."""
+    scheduler = _encoder_scheduler(budget=8192)
+    share = scheduler.shares.pooling_share
+    big = [_in_group(_pooling(f"big-{i}", 16), "big") for i in range(1000)]
+    for request in big:
+        scheduler.add_request(request)
+    scheduler.add_request(_in_group(_pooling("small", 8), "small"))
+    assert scheduler.num_waiting == 1001
+    first_step: dict[str, int] = {}
+    later = _in_group(_pooling("later", 8), "later")
+
+    big_tokens_per_step: list[int] = []
+
+    def on_step(step: int, out: SchedulerOutput, outputs: list) -> None:
+        big_tokens = sum(s.num_tokens for s in out.scheduled if s.request_id.startswith("big"))
+        big_tokens_per_step.append(big_tokens)
+        if step == 0:
+            assert big_tokens <= share  # beside the small call
+        if step == 5:
+            assert big_tokens == 0  # the newcomer's step
+        for s in out.scheduled:
+            first_step[s.request_id] = step
+
+    finished = _run(scheduler, {5: [later]}, on_step=on_step)
+    assert big_tokens_per_step[1] == 256 * 16  # alone again: a full step (max_num_seqs rows)
+    assert finished["small"] == 0 and finished["later"] == 5
+    assert len(finished) == 1002 and not scheduler.requests and scheduler.num_waiting == 0
+    big_order = sorted(range(1000), key=lambda i: first_step[f"big-{i}"])
+    assert big_order == list(range(1000))
+
+
+def test_the_measured_step_rate_sizes_a_pooling_share() -> None:
+    scheduler = _encoder_scheduler(budget=8192)
+    assert scheduler.shares.pooling_share == 256  # before any step is measured
+    scheduler.record_step_time(100, 1.0)  # too few tokens to say anything
+    assert scheduler.shares.pooling_share == 256
+    scheduler.record_step_time(1000, 0.1)  # 1e-4 s a token: 0.08 s runs 800 tokens
+    assert scheduler.shares.pooling_share == 800
+    scheduler.record_step_time(1000, 0.2)  # a moving average: 0.7 x 1e-4 + 0.3 x 2e-4
+    assert scheduler.shares.pooling_share == 615
+    fast = _encoder_scheduler(budget=8192)
+    fast.record_step_time(1000, 0.001)  # 0.08 s runs 80,000 tokens: one step's budget
+    assert fast.shares.pooling_share == 8192
+
+
+def test_a_generation_call_keeps_half_of_the_sequences() -> None:
+    """A call of 8 completions on 4 sequence slots runs 2 at once: a later call's request
+    starts in the next step instead of waiting for the big call to finish."""
+    scheduler = _causal_scheduler(budget=64, num_blocks=64, max_seqs=4)
+    for i in range(8):
+        scheduler.add_request(_in_group(_generation(f"big-{i}", [5, 6], max_tokens=50), "big"))
+    first = scheduler.schedule()
+    assert [s.request_id for s in first.scheduled] == ["big-0", "big-1"]
+    scheduler.update_from_output(first, _fake_runner(scheduler, first))
+    scheduler.add_request(_in_group(_generation("small", [7], max_tokens=2), "small"))
+    finished = _run(scheduler)
+    assert finished["small"] <= 2 < finished["big-7"]
+
+
+def test_decode_rows_run_every_step_beside_a_big_pooling_call() -> None:
+    scheduler = _causal_scheduler(budget=300, num_blocks=512)
+    scheduler.add_request(_in_group(_generation("chat", [5, 6, 7], max_tokens=20), "chat"))
+    for i in range(200):
+        scheduler.add_request(_in_group(_pooling(f"big-{i}", 40), "big"))
+    decoded_steps = []
+
+    def on_step(step: int, out: SchedulerOutput, outputs: list) -> None:
+        if "chat" in scheduler.requests or any(o.request_id == "chat" for o in outputs):
+            decoded_steps.append(any(s.request_id == "chat" for s in out.scheduled))
+
+    finished = _run(scheduler, on_step=on_step)
+    assert all(decoded_steps) and len(decoded_steps) == 20
+    assert finished["chat"] < finished["big-199"]
+
+
+def test_a_pooling_call_alone_queues_all_of_itself_and_shares_when_another_comes() -> None:
+    """Alone, a call's texts all queue (full steps, as offline before shares); when a second
+    call arrives, the first call's unstarted texts past its share go back to held, in order."""
+    scheduler = _encoder_scheduler(budget=8192)
+    share = scheduler.shares.pooling_share
+    for i in range(100):
+        scheduler.add_request(_in_group(_pooling(f"big-{i}", 16), "big"))
+    assert len(scheduler.waiting) == 100 and scheduler.shares.num_held == 0
+    scheduler.add_request(_in_group(_pooling("small", 8), "small"))
+    out = scheduler.schedule()
+    ids = [s.request_id for s in out.scheduled]
+    assert (
+        "small" in ids
+        and sum(s.num_tokens for s in out.scheduled if s.request_id != "small") <= share
+    )
+    held = [r.request_id for r in scheduler.requests.values() if r.status == RequestStatus.HELD]
+    assert held == [f"big-{i}" for i in range(100 - len(held), 100)] and held  # the newest
+    assert [r.request_id for r in scheduler.shares._groups["big", True].held] == held  # in order
+
+
+def test_held_requests_can_be_aborted() -> None:
+    """Aborting a big call's held requests (the client went away) forgets them: the queue
+    never schedules them and the engine goes idle."""
+    scheduler = _encoder_scheduler(budget=1000)
+    scheduler.add_request(_in_group(_pooling("other", 8), "other"))  # so the big call shares
+    for i in range(100):
+        scheduler.add_request(_in_group(_pooling(f"big-{i}", 100), "big"))
+    assert scheduler.requests["big-50"].status == RequestStatus.HELD
+    scheduler.finish_requests([f"big-{i}" for i in range(1, 100)], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.num_waiting == 2
+    assert sorted(_run(scheduler)) == ["big-0", "other"]
+    assert not scheduler.has_unfinished_requests() and scheduler.shares.num_held == 0
