@@ -108,7 +108,8 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     from cenote import LLM
-    from cenote.config import default_model_path, resolve_dtype
+    from cenote.config import default_model_path
+    from cenote.platforms import CpuPlatform
 
     torch.set_num_threads(args.threads)
     path = args.model or str(default_model_path())
@@ -141,7 +142,7 @@ def main() -> None:
             )
         rows.append(f"{dtype_name:9} min cosine cenote vs st: {min_cos:.6f}")
     # what users get without tuning: cenote's dtype="auto" vs sentence-transformers' fp32
-    auto = str(resolve_dtype("auto")).removeprefix("torch.")
+    auto = str(CpuPlatform().default_dtype()).removeprefix("torch.")
     if ("cenote", auto) in seconds and ("st", "float32") in seconds:
         rows.append(
             f"defaults: cenote auto ({auto}) / sentence-transformers float32 = "

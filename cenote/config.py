@@ -5,46 +5,21 @@ reading a model folder or GGUF file into a ``ModelConfig`` is ``models/config_re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from cenote.lora_request import LoRARequest
-from cenote.platform import DEFAULT_GPU_MEMORY_UTILIZATION, cuda_default_dtype
+from cenote.platforms import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    CpuPlatform,
+    Platform,
+)
 
 if TYPE_CHECKING:
     from cenote.models.formats.st_config import SentenceTransformerConfig
     from cenote.models.gguf_loader import GGUFCheckpoint
-
-DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@cache
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX512-bf16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: DTypeName | torch.dtype, device: str = "cpu") -> torch.dtype:
-    """``auto`` picks bf16 on CPUs with native bf16 matmuls (docs/performance.md), else
-    fp32; on CUDA bf16 from compute capability 8.0, else fp16 (``cenote.platform``)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device == "cuda":
-            return cuda_default_dtype()
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 def default_model_path() -> Path:
@@ -328,6 +303,8 @@ class EngineConfig:
     """The whole tree. Options that cannot work together are refused here, with the numbers."""
 
     model: ModelConfig
+    # the device's decisions (dtype, KV budget, threads, features), resolved at the edge
+    platform: Platform = field(default_factory=CpuPlatform)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -343,6 +320,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.platform.device_type != self.model.device:
+            raise ValueError(
+                f"the {self.platform.name} platform cannot run a model on {self.model.device!r}"
+            )
         budget, limit = self.scheduler.max_num_batched_tokens, self.model.max_model_len
         if not self.scheduler.enable_chunked_prefill and budget < limit:
             raise ValueError(

@@ -27,7 +27,6 @@ import torch
 
 from cenote.config import (
     CacheConfig,
-    DTypeName,
     EngineConfig,
     LoRAConfig,
     PoolerConfig,
@@ -38,20 +37,15 @@ from cenote.config import (
 )
 from cenote.models.config_reader import read_model_config
 from cenote.models.registry import ConvertOption, get_entry
-from cenote.platform import (
+from cenote.platforms import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    CpuPlatform,
+    CudaPlatform,
     DeviceName,
-    check_device_options,
-    resolve_device,
+    DTypeName,
+    resolve_platform,
     uses_cuda_graphs,
 )
-
-_MIN_TOKEN_BUDGET = 8192  # default token budget of a step, raised to max_model_len when longer
-# On CUDA (vLLM's offline defaults for large GPUs): a step's device work is small next to its
-# host work, so steps are made larger. 8,192 MiniLM texts on an H200: 66 steps of 8,192 tokens
-# and 256 requests against 17 of 32,768 and 1,024, 0.4 s of a 2.1 s pass (docs/performance.md)
-_CUDA_TOKEN_BUDGET = 16384
-_CUDA_MAX_NUM_SEQS = 1024
 
 
 def option(
@@ -121,11 +115,13 @@ class EngineArgs:
         None,
         "token budget of one engine step, all its requests together. Encoder prompts are never "
         "split across steps, so for encoders it must be at least max_model_len",
-        shown=f"max({_MIN_TOKEN_BUDGET}, max_model_len); max({_CUDA_TOKEN_BUDGET}, "
-        "max_model_len) on CUDA",
+        shown=f"max({CpuPlatform.min_token_budget}, max_model_len); "
+        f"max({CudaPlatform.min_token_budget}, max_model_len) on CUDA",
     )
     max_num_seqs: int | None = option(
-        None, "requests in one engine step", shown=f"256; {_CUDA_MAX_NUM_SEQS} on CUDA"
+        None,
+        "requests in one engine step",
+        shown=f"{CpuPlatform.default_max_num_seqs}; {CudaPlatform.default_max_num_seqs} on CUDA",
     )
     enforce_eager: bool = option(
         False,
@@ -304,11 +300,10 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The frozen tree. Options that cannot work together raise ValueError with the
         numbers and the option to change (``EngineConfig`` checks the whole)."""
-        # 0) the device, and the options it has no path for
+        # 0) the platform, and the options it has no path for
         # 1) the model, read once (converted when asked)  2) limits that depend on it  3) the tree
-        device = resolve_device(self.device)
-        check_device_options(
-            device,
+        platform = resolve_platform(self.device)
+        platform.check_options(
             num_threads=self.num_threads,
             quantization=self.quantization,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -323,7 +318,7 @@ class EngineArgs:
             self.convert,
             self.max_logprobs,
             self.revision,
-            device,
+            platform,
         )
         model_config = dataclasses.replace(
             model_config,
@@ -339,16 +334,14 @@ class EngineArgs:
         if speculative is not None and speculative.method == "draft_model":
             from cenote.runner.draft_model import read_draft_model  # loads a runner
 
-            draft = read_draft_model(model_config, speculative)
+            draft = read_draft_model(model_config, speculative, platform)
             speculative = dataclasses.replace(speculative, draft_model_config=draft)
         budget = self.max_num_batched_tokens
-        on_cuda = device == "cuda"
-        if budget is None:
-            least = _CUDA_TOKEN_BUDGET if on_cuda else _MIN_TOKEN_BUDGET
-            budget = max(least, model_config.max_model_len)
+        if budget is None:  # the platform's, raised to max_model_len when longer
+            budget = max(platform.min_token_budget, model_config.max_model_len)
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
-            max_num_seqs = _CUDA_MAX_NUM_SEQS if on_cuda else 256
+            max_num_seqs = platform.default_max_num_seqs
         scheduler = SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs,
@@ -365,6 +358,7 @@ class EngineArgs:
         )
         return EngineConfig(
             model=model_config,
+            platform=platform,
             scheduler=scheduler,
             cache=cache,
             lora=LoRAConfig(
@@ -375,7 +369,7 @@ class EngineArgs:
             ),
             speculative=speculative,
             num_threads=self.num_threads,
-            cuda_graphs=uses_cuda_graphs(device, self.enforce_eager),
+            cuda_graphs=uses_cuda_graphs(platform, self.enforce_eager),
             seed=self.seed,
         )
 

@@ -33,7 +33,7 @@ from cenote.models.interfaces import DecoderModel, ImageTextModel, Model
 from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 from cenote.models.registry import get_entry
-from cenote.platform import num_gpu_kv_blocks
+from cenote.platforms import num_gpu_kv_blocks
 from cenote.pooling.pooler import DispatchPooler
 from cenote.request import Request, RequestStatus
 from cenote.runner.draft_model import DraftModelProposer
@@ -46,8 +46,6 @@ from cenote.tasks import PoolingTask, SupportedTask
 
 logger = logging.getLogger(__name__)
 
-# upper bound of the KV cache when no budget is given (~46k tokens of SmolLM2 in bf16)
-_DEFAULT_KV_BYTES = 1 << 30
 # this many failed steps in a row: the core itself is broken, not one request
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
 # with nothing to run but requests whose grammars compile: how long a step waits for one
@@ -59,14 +57,14 @@ class EngineCore:
     process (server); it never tokenizes or detokenizes."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.num_threads is not None:  # None: the process's setting (EngineConfig)
-            torch.set_num_threads(config.num_threads)
+        # the core process pinned itself to config.cpu_ids (core_proc); None: the process's
+        config.platform.pin_threads(config.num_threads, None)
         self.config = config
         model_config = config.model
         entry = get_entry(model_config.architecture)
         # CUDA: what the process held before this engine (other engines), not counted as its own
         self._baseline_bytes = torch.cuda.memory_allocated() if on_cuda(config) else 0
-        model = load_model(model_config)
+        model = load_model(model_config, config.platform)
         if not isinstance(model, Model):
             raise TypeError(
                 f"{type(model).__name__} does not declare the Model contract "
@@ -149,7 +147,7 @@ class EngineCore:
         if num_blocks is None and cache.kv_cache_memory_bytes is None and on_cuda(self.config):
             num_blocks = self._profile_kv_blocks(bytes_per_block)
         if num_blocks is None:
-            budget = cache.kv_cache_memory_bytes or _default_kv_budget(self.config.model.device)
+            budget = cache.kv_cache_memory_bytes or self.config.platform.kv_cache_budget_bytes()
             num_blocks = num_blocks_for_memory(
                 budget,
                 model.num_layers,
@@ -493,15 +491,3 @@ def _size(num_bytes: int) -> str:
         if num_bytes >= 1 << shift:
             return f"{num_bytes / (1 << shift):.{2 if shift == 30 else 1}f} {unit}"
     return f"{num_bytes / 1024:.1f} KiB"
-
-
-def _default_kv_budget(device: str = "cpu") -> int:
-    """A quarter of the available memory (the device's on CUDA), at most 1 GiB."""
-    if device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        return min(_DEFAULT_KV_BYTES, free // 4)
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        available = _DEFAULT_KV_BYTES
-    return min(_DEFAULT_KV_BYTES, available // 4)

@@ -50,8 +50,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
-    if config.cpu_ids is not None:  # data parallel: each core process on its own share
-        os.sched_setaffinity(0, config.cpu_ids)
+    # data parallel / several models: each core process on its own share (None: anywhere);
+    # before the sockets, so their threads share it
+    config.platform.pin_threads(None, config.cpu_ids)
     parent_pid = os.getppid()
     context = zmq.Context(io_threads=1)
     inputs = context.socket(zmq.PULL)

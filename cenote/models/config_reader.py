@@ -11,18 +11,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cenote.config import (
-    DTypeName,
-    ModelConfig,
-    PoolerConfig,
-    default_model_path,
-    resolve_dtype,
-    text_config,
-)
+from cenote.config import ModelConfig, PoolerConfig, default_model_path, text_config
 from cenote.models.formats.hub_cache import ModelSource, locate_model
 from cenote.models.formats.st_config import SentenceTransformerConfig, load_st_config
 from cenote.models.registry import (
@@ -32,6 +25,7 @@ from cenote.models.registry import (
     convert_architecture,
     pylate_architecture,
 )
+from cenote.platforms import CpuPlatform, DTypeName, Platform
 
 if TYPE_CHECKING:
     from cenote.models.gguf_loader import GGUFCheckpoint
@@ -47,11 +41,13 @@ def read_model_config(
     convert: ConvertOption = "auto",
     max_logprobs: int = 20,
     revision: str | None = None,
-    device: Literal["cpu", "cuda"] = "cpu",
+    platform: Platform | None = None,
 ) -> ModelConfig:
     """Read a model folder, GGUF file or hub id (``owner/name`` from the local Hugging Face
     cache at ``revision``) once; ``convert`` swaps the architecture for the sibling that
-    serves the task (a causal LM becomes a sequence classifier)."""
+    serves the task (a causal LM becomes a sequence classifier). ``platform`` (the engine
+    config's; None: this machine's CPU) resolves ``dtype='auto'`` and places the model."""
+    platform = platform or CpuPlatform()
     # every entry point (LLM, serve, run-batch, embed, Ray) names its model here
     source = _model_source(model, revision)
     path = source.path
@@ -76,14 +72,14 @@ def read_model_config(
         path=path,
         architecture=converted,
         hf_config=hf_config,
-        dtype=resolve_dtype(dtype, device),
+        dtype=platform.resolve_dtype(dtype),
         max_model_len=limit,
         st_config=st_config,
         served_model_name=served_model_name or source.name,
         pooler_config=PoolerConfig.of(pooler_config),
         max_logprobs=max_logprobs,
         gguf=gguf,
-        device=device,
+        device=platform.device_type,
         vision_only=converted in VISION_ONLY_ARCHITECTURES,
     )
 

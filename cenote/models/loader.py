@@ -12,11 +12,12 @@ from safetensors import safe_open
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.kernels import cpu_features, ops
+from cenote.kernels import ops
 from cenote.models.interfaces import Model, PostLoad, QuantizedLoading
 from cenote.models.layers.linear import prepack_trunk, quantize_trunk_w8a8
 from cenote.models.layers.quant import keep_dense_copies, quantize_trunk, use_dot_products
 from cenote.models.registry import load_model_class
+from cenote.platforms import CpuPlatform, Platform
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ def model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor
     return iterate_weights(model_config.path)
 
 
-def load_model(model_config: ModelConfig) -> nn.Module:
-    """The trunk of ``model_config`` with its weights, in eval mode, in the runtime dtype.
+def load_model(model_config: ModelConfig, platform: Platform | None = None) -> nn.Module:
+    """The trunk of ``model_config`` with its weights, in eval mode, in the runtime dtype, its
+    layers set up for ``platform`` (the engine config's; None: this machine's CPU, for a model
+    loaded alone).
 
     A GGUF's quantized tensors stay quantized where the model supports it and the kernel is
     available (``quantization="auto"``), and a folder's linear layers are quantized when asked
@@ -69,7 +72,8 @@ def load_model(model_config: ModelConfig) -> nn.Module:
             f"{type(model).__name__} does not declare the Model contract "
             "(cenote/models/interfaces.py)"
         )
-    method = _quantization(model_config, model)
+    platform = platform or CpuPlatform()
+    method = _quantization(model_config, model, platform)
     if method == "gguf":
         assert model_config.gguf is not None and isinstance(model, QuantizedLoading)
         model.prepare_quantized(model_config.gguf.quantized_names())
@@ -94,7 +98,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     elif method == "w8a8":
         count = quantize_trunk_w8a8(model)
         logger.info("%d linear layers multiply as w8a8 (int8 weights and activations)", count)
-    prepack_trunk(model)
+    prepack_trunk(model, platform)
     if isinstance(model, PostLoad):
         model.post_load()  # after the cast: e.g. pack the LM head in the runtime dtype
     if method in ("gguf", "int8", "int4"):
@@ -103,7 +107,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     return model
 
 
-def _quantization(model_config: ModelConfig, model: nn.Module) -> str | None:
+def _quantization(model_config: ModelConfig, model: nn.Module, platform: Platform) -> str | None:
     """What ``model_config.quantization`` means for this model: "gguf" (keep the file's
     quantized tensors), "int8"/"int4" (quantize after loading), or None (dense)."""
     asked = model_config.quantization
@@ -112,7 +116,7 @@ def _quantization(model_config: ModelConfig, model: nn.Module) -> str | None:
     if asked == "auto":
         if model_config.gguf is None or not isinstance(model, QuantizedLoading):
             return None
-        if model_config.device != "cpu":
+        if not platform.supports("cpu_kernels"):
             logger.warning(
                 "%s: quantized GGUF tensors have no %s kernel yet, weights dequantized to %s",
                 model_config.path.name,
@@ -139,11 +143,11 @@ def _quantization(model_config: ModelConfig, model: nn.Module) -> str | None:
             "quantized tensors (quantization='auto') or loads dense ('none')"
         )
     if asked == "w8a8":
-        _check_w8a8(model_config)
+        _check_w8a8(model_config, platform)
     return asked
 
 
-def _check_w8a8(model_config: ModelConfig) -> None:
+def _check_w8a8(model_config: ModelConfig, platform: Platform) -> None:
     """w8a8 multiplies bf16 rows on int8 dot-product instructions; refuse where it cannot."""
     if model_config.dtype != torch.bfloat16:
         raise ValueError(
@@ -151,11 +155,10 @@ def _check_w8a8(model_config: ModelConfig) -> None:
             f"{str(model_config.dtype).removeprefix('torch.')}; use dtype='bfloat16' (or 'auto' "
             "on a CPU with native bf16)"
         )
-    flags = set(cpu_features())
-    if not flags & {"avx512_vnni", "amx_int8"}:
+    if not platform.supports("int8_dot_products"):
         raise ValueError(
-            "quantization='w8a8' needs int8 dot products (AVX512-VNNI or AMX-INT8); this CPU "
-            f"has {', '.join(sorted(flags)) or 'neither'}"
+            "quantization='w8a8' needs int8 dot products (AVX512-VNNI or AMX-INT8); this "
+            f"{platform.hardware()}"
         )
     if not ops.int8_supported():
         raise RuntimeError(

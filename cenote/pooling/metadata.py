@@ -35,7 +35,8 @@ class PoolingMetadata:
     def prompt_lens(self) -> list[int]:
         return [end - start for start, end in pairwise(self.start_loc)]
 
-    def segment_ids(self) -> torch.Tensor:
-        """[num_tokens] index of the request each row belongs to."""
-        lens = torch.tensor(self.prompt_lens)
-        return torch.repeat_interleave(torch.arange(len(lens)), lens)
+    def segment_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[num_tokens] index of the request each row belongs to, on ``device`` (the hidden
+        states')."""
+        lens = torch.tensor(self.prompt_lens, device=device)
+        return torch.repeat_interleave(torch.arange(len(lens), device=device), lens)

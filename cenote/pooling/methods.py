@@ -34,7 +34,7 @@ def pool_mean(hidden: torch.Tensor, metadata: PoolingMetadata) -> torch.Tensor:
     """Mean over each prompt's tokens, accumulated in fp32 whatever the model dtype."""
     device = hidden.device
     sums = torch.zeros(metadata.num_requests, hidden.shape[-1], dtype=torch.float32, device=device)
-    sums.index_add_(0, metadata.segment_ids().to(device), hidden.float())
+    sums.index_add_(0, metadata.segment_ids(device), hidden.float())
     lens = torch.tensor(metadata.prompt_lens, dtype=torch.float32, device=device).unsqueeze(1)
     return sums / lens  # [num_requests, hidden]
 

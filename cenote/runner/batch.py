@@ -15,7 +15,7 @@ import torch
 
 from cenote.forward_context import AttentionMetadata
 from cenote.images.batch import ImageBatch
-from cenote.platform import to_device
+from cenote.platforms import to_device
 from cenote.scheduler.output import ScheduledRequest
 
 

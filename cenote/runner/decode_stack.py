@@ -35,6 +35,7 @@ from cenote.models.layers.lora import (
     kernel_takes_runs,
 )
 from cenote.models.layers.quant import QuantLinear
+from cenote.platforms import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +53,11 @@ _StackLinear = tuple[
 ]
 
 
-def use_decode_stack(model: object, device: torch.device) -> bool:
+def use_decode_stack(model: object, platform: Platform) -> bool:
     """Give ``model`` a ``DecodeStackStep`` where it offers its layers and the stack takes them
-    (host weights, every projection quantized or prepacked, the kernels built); returns whether
-    it did."""
-    if device.type != "cpu" or not isinstance(model, FusedDecodeModel):
+    (a platform with cenote's CPU kernels, every projection quantized or prepacked, the kernels
+    built); returns whether it did."""
+    if not platform.supports("cpu_kernels") or not isinstance(model, FusedDecodeModel):
         return False
     spec = model.decode_stack_spec()
     step = None if spec is None else DecodeStackStep.build(spec)

@@ -31,6 +31,7 @@ from cenote.models.layers.attention import kv_cache_shape
 from cenote.models.loader import load_model
 from cenote.models.registry import get_entry
 from cenote.models.tokenizer import load_tokenizer
+from cenote.platforms import Platform
 from cenote.request import Request
 from cenote.runner.model_runner import ModelRunner
 from cenote.sampling_params import SamplingParams
@@ -42,13 +43,15 @@ logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)  # the draft's argmax
 
 
-def read_draft_model(target: ModelConfig, speculative: SpeculativeConfig) -> ModelConfig:
+def read_draft_model(
+    target: ModelConfig, speculative: SpeculativeConfig, platform: Platform
+) -> ModelConfig:
     """The draft's config, read at the edge and checked against the target: a decoder with the
     target's vocabulary size and tokenizer (a draft token id must mean the target's token).
     Raises ValueError naming both sides."""
     assert speculative.model is not None  # SpeculativeConfig: draft_model has a model
     try:
-        draft = read_model_config(speculative.model, target.dtype, device=target.device)
+        draft = read_model_config(speculative.model, target.dtype, platform=platform)
     except FileNotFoundError as e:
         raise ValueError(
             f"speculative_config model {speculative.model!r} cannot be read: {e}"
@@ -94,7 +97,7 @@ class DraftModelProposer:
         speculative = config.speculative
         assert speculative is not None and speculative.draft_model_config is not None
         draft_config = speculative.draft_model_config
-        model = load_model(draft_config)
+        model = load_model(draft_config, config.platform)
         if not isinstance(model, CausalLM) or not isinstance(model, DecoderModel):
             raise ValueError(
                 f"the draft model {speculative.model!r} ({type(model).__name__}) has no LM head "

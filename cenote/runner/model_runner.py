@@ -83,7 +83,7 @@ class ModelRunner:
             max_cpu_loras=lora.max_cpu_loras,
         )
         if kv_caches is not None:
-            use_decode_stack(model, self.device)  # a decoder's decode steps in one C++ call
+            use_decode_stack(model, config.platform)  # a decoder's decode steps in one C++ call
         self.decode_graphs: DecodeGraphs | None = None
         if config.cuda_graphs and kv_caches is not None and self.lm_head is not None:
             self.decode_graphs = self._decode_graphs(model, kv_caches)

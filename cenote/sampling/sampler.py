@@ -124,7 +124,7 @@ MaskAllowed = Callable[[torch.Tensor, list[int], torch.Tensor], list[bool]]
 def mask_allowed(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> list[bool]:
     """``-inf`` on the tokens each listed row's bitmask refuses, in place; whether each row kept
     a finite logit (``ops.apply_token_bitmask_``: cenote's kernel on fp32 host rows)."""
-    index = torch.tensor(rows, dtype=torch.int64)
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     kept = ops.apply_token_bitmask_(logits, index, words)
     return [bool(k) for k in kept.tolist()]
 

@@ -19,7 +19,7 @@ from cenote.cli import main as cli
 from cenote.engine_args import EngineArgs
 from cenote.forward_context import get_attention_metadata
 from cenote.models.layers.attention_plan import paged_plan
-from cenote.platform import uses_cuda_graphs
+from cenote.platforms import CpuPlatform, CudaPlatform, uses_cuda_graphs
 from cenote.pooling_params import PoolingParams
 from cenote.runner.batch import build_input_batch
 from cenote.runner.decode_graphs import (
@@ -260,9 +260,9 @@ def test_replayed_steps_equal_eager_bit_for_bit(family, overrides, tmp_path: Pat
 
 
 def test_graphs_are_on_for_cuda_unless_enforce_eager_and_never_on_the_cpu() -> None:
-    assert uses_cuda_graphs("cuda", enforce_eager=False)
-    assert not uses_cuda_graphs("cuda", enforce_eager=True)
-    assert not uses_cuda_graphs("cpu", enforce_eager=False)
+    assert uses_cuda_graphs(CudaPlatform(), enforce_eager=False)
+    assert not uses_cuda_graphs(CudaPlatform(), enforce_eager=True)
+    assert not uses_cuda_graphs(CpuPlatform(), enforce_eager=False)
     assert EngineArgs().enforce_eager is False
 
 

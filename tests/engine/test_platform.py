@@ -1,31 +1,36 @@
-"""The device seam: choosing the device and dtype, refusing what has no CUDA path, and the
-dispatch that never hands a tensor off the host to cenote's C++ kernels (checked with ``meta``
-tensors, which no CPU kernel can read)."""
+"""The device seam (cenote/platforms): choosing the platform and dtype, what a CPU's features
+decide, refusing what has no CUDA path, and the dispatch that never hands a tensor off the host
+to cenote's C++ kernels (checked with ``meta`` tensors, which no CPU kernel can read)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from factories.decoders import make_decoder
+from factories.encoders import make_encoder
 from factories.texts import PARITY_TEXTS
 
-from cenote.config import resolve_dtype
 from cenote.engine_args import EngineArgs
 from cenote.forward_context import AttentionMetadata, forward_context
 from cenote.kernels import ops
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.attention_plan import paged_plan
+from cenote.models.layers.linear import TrunkLinear
 from cenote.models.layers.norm import LayerNorm
-from cenote.platform import (
-    check_device_options,
+from cenote.platforms import (
+    DEFAULT_KV_CACHE_BYTES,
+    CpuPlatform,
+    CudaPlatform,
     num_gpu_kv_blocks,
     pack,
     resolve_device,
+    resolve_platform,
     runs_cpu_kernels,
     to_device,
     unpack,
@@ -34,6 +39,14 @@ from cenote.runner.batch import build_input_batch
 from cenote.runner.memory_profile import dummy_prompt_lengths, graph_reserve_bytes
 from cenote.sampling.sampler import mask_allowed, numpy_mask_allowed
 from cenote.scheduler.output import ScheduledRequest
+
+# a Zen 4/5 (AVX512-bf16, VNNI, no AMX), a Sapphire Rapids (AMX) and a Zen 3 (AVX2 only)
+ZEN4 = CpuPlatform(frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}))
+SAPPHIRE_RAPIDS = CpuPlatform(
+    frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"})
+)
+ZEN3 = CpuPlatform(frozenset({"avx2", "fma", "f16c"}))
+H200 = CudaPlatform(capability=(9, 0))
 
 
 def _cuda(monkeypatch: pytest.MonkeyPatch, available: bool, capability=(9, 0)) -> None:
@@ -67,28 +80,111 @@ def test_cuda_without_a_device_is_refused_naming_the_option(monkeypatch) -> None
 )
 def test_auto_dtype_on_cuda_follows_compute_capability(monkeypatch, capability, expected) -> None:
     _cuda(monkeypatch, True, capability)
-    assert resolve_dtype("auto", "cuda") == expected
-    assert resolve_dtype("float32", "cuda") == torch.float32  # an explicit dtype wins
+    platform = resolve_platform("cuda")
+    assert isinstance(platform, CudaPlatform)
+    assert platform.resolve_dtype("auto") == expected  # the device's capability, read at use
+    assert CudaPlatform(capability=capability).resolve_dtype("auto") == expected
+    assert platform.resolve_dtype("float32") == torch.float32  # an explicit dtype wins
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'; choose one of auto, float32"):
+        platform.resolve_dtype("fp8")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("platform", "dtype", "in_norm", "int8"),
+    [
+        (ZEN4, torch.bfloat16, True, True),
+        (SAPPHIRE_RAPIDS, torch.bfloat16, False, True),  # AMX keeps oneDNN's epilogue
+        (ZEN3, torch.float32, False, False),  # bf16 is ~70x slower without native bf16
+        (CpuPlatform(frozenset()), torch.float32, False, False),
+    ],
+)
+def test_the_cpus_features_pick_the_default_dtype_and_the_fast_paths(
+    platform, dtype, in_norm, int8
+) -> None:
+    assert platform.resolve_dtype("auto") == dtype
+    assert platform.supports("bf16_fast") == (dtype == torch.bfloat16)
+    assert platform.supports("residual_add_in_norm") == in_norm
+    assert platform.supports("int8_dot_products") == int8
+    assert platform.supports("cpu_kernels") and not platform.supports("cuda_graphs")
+    assert platform.features() == {
+        f for f in ("bf16_fast", "residual_add_in_norm", "int8_dot_products", "cpu_kernels")
+        if platform.supports(f)
+    }  # fmt: skip
+    assert platform.resolve_dtype("float16") == torch.float16  # an explicit dtype wins
+
+
+def test_an_unknown_feature_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown platform feature 'bf16'; known: bf16_fast"):
+        ZEN4.supports("bf16")  # type: ignore[arg-type]
+
+
+def test_cuda_has_graphs_and_no_cpu_kernels() -> None:
+    assert H200.supports("cuda_graphs") and H200.supports("bf16_fast")
+    assert not H200.supports("cpu_kernels") and not H200.supports("residual_add_in_norm")
+    assert not CudaPlatform(capability=(7, 5)).supports("bf16_fast")
+    assert H200.hardware() == "GPU has compute capability 9.0"
+    assert ZEN3.hardware() == "CPU has avx2, f16c, fma"
+
+
+def test_a_cuda_platform_on_a_cpu_only_torch_is_refused_naming_the_option(monkeypatch) -> None:
+    _cuda(monkeypatch, False)
+    with pytest.raises(ValueError, match=r"device='cuda' \(--device cuda\).*no CUDA device"):
+        resolve_platform("cuda")
+    assert isinstance(resolve_platform("auto"), CpuPlatform)
+    _cuda(monkeypatch, True)
+    assert isinstance(resolve_platform("auto"), CudaPlatform)
+
+
+def test_the_platform_decides_the_residual_add_of_every_trunk_linear(tmp_path: Path) -> None:
+    """The loader hands the engine config's platform to the layers: a BERT trunk's residual
+    adds run in the norm on an AVX512-bf16 CPU without AMX, in the matmul's epilogue on AMX."""
+    from cenote.models.config_reader import read_model_config
+    from cenote.models.loader import load_model
+
+    make_encoder(tmp_path, "bert")
+    model_config = read_model_config(tmp_path, dtype="bfloat16", platform=ZEN3)
+    for platform, in_norm in ((ZEN4, True), (SAPPHIRE_RAPIDS, False)):
+        model = load_model(model_config, platform)
+        layers = [m for m in model.modules() if isinstance(m, TrunkLinear)]
+        assert layers and all(m.adds_residual_in_norm == in_norm for m in layers)
+
+
+def test_the_engine_config_holds_the_platform_and_it_travels_by_its_facts(
+    minilm_path: Path,
+) -> None:
+    config = EngineArgs(str(minilm_path), device="cpu").create_engine_config()
+    assert isinstance(config.platform, CpuPlatform) and config.platform.flags is None
+    assert config.model.dtype == config.platform.default_dtype()
+    # a given machine keeps its facts across a process; this machine's is read again there
+    assert pickle.loads(pickle.dumps(ZEN3)) == ZEN3
+    assert pickle.loads(pickle.dumps(config)).platform == CpuPlatform()
+    with pytest.raises(ValueError, match="the cuda platform cannot run a model on 'cpu'"):
+        dataclasses.replace(config, platform=H200)
+
+
+def test_the_default_kv_budget_is_a_quarter_of_the_available_memory_at_most_1_gib() -> None:
+    budget = ZEN4.kv_cache_budget_bytes()
+    assert 0 < budget <= DEFAULT_KV_CACHE_BYTES == 1 << 30
 
 
 def test_cpu_options_and_cpu_kernels_are_refused_on_cuda() -> None:
     with pytest.raises(ValueError, match=r"num_threads \(--num-threads 4\).*device='cuda'"):
-        check_device_options("cuda", num_threads=4, quantization="auto")
+        H200.check_options(num_threads=4, quantization="auto")
     for method in ("int8", "int4", "w8a8"):
         with pytest.raises(ValueError, match=f"quantization='{method}'.*no cuda path"):
-            check_device_options("cuda", num_threads=None, quantization=method)
-    check_device_options("cuda", num_threads=None, quantization="none")
-    check_device_options("cpu", num_threads=4, quantization="w8a8")  # the CPU has them all
+            H200.check_options(num_threads=None, quantization=method)
+    H200.check_options(num_threads=None, quantization="none")
+    ZEN3.check_options(num_threads=4, quantization="w8a8")  # the CPU has them all
 
 
 @pytest.mark.parametrize("utilization", [0.0, -0.5, 1.01, 9.0])
 def test_gpu_memory_utilization_outside_0_1_is_refused_with_the_number(utilization) -> None:
-    for device in ("cuda", "cpu"):
+    for platform in (H200, ZEN4):
         with pytest.raises(ValueError, match=rf"must be in \(0, 1\], got {utilization}"):
-            check_device_options(
-                device, num_threads=None, quantization="auto", gpu_memory_utilization=utilization
+            platform.check_options(
+                num_threads=None, quantization="auto", gpu_memory_utilization=utilization
             )
-    check_device_options("cuda", num_threads=None, quantization="auto", gpu_memory_utilization=1)
+    H200.check_options(num_threads=None, quantization="auto", gpu_memory_utilization=1)
 
 
 def test_gpu_memory_utilization_given_with_the_cpu_is_refused_naming_the_option(
@@ -228,7 +324,9 @@ def test_a_gpu_kv_cache_below_one_longest_request_names_gpu_memory_utilization(
 
     make_decoder(tmp_path, "llama")  # max_model_len 256: 16 blocks of 16 tokens, 8 KiB each
     config = EngineArgs(str(tmp_path), device="cpu", dtype="float32").create_engine_config()
-    cuda = dataclasses.replace(config, model=dataclasses.replace(config.model, device="cuda"))
+    cuda = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, device="cuda"), platform=H200
+    )
     with pytest.raises(ValueError) as error:
         _check_kv_cache_fits(cuda, 10, 8192, None)
     message = str(error.value)
@@ -282,7 +380,9 @@ def test_data_parallel_engine_cores_are_refused_on_one_gpu(minilm_path: Path) ->
     from cenote.engine.dp_client import split_cores
 
     config = EngineArgs(str(minilm_path), device="cpu").create_engine_config()
-    cuda = dataclasses.replace(config, model=dataclasses.replace(config.model, device="cuda"))
+    cuda = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, device="cuda"), platform=H200
+    )
     with pytest.raises(ValueError, match="data_parallel_size 2 .* share one GPU"):
         split_cores(cuda, 2)
     assert len(split_cores(config, 1)) == 1

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from cenote.config import cpu_has_fast_bf16
 from cenote.forward_context import AttentionMetadata, forward_context
 from cenote.kernels import attention_ops, ops
 from cenote.models.layers.attention import Attention, kv_cache_shape
 from cenote.models.layers.attention_plan import paged_plan
+from cenote.platforms import CpuPlatform
 
 ATOL_FP32 = 1e-5  # DESIGN.md §3: batch invariance, fp32
 ATOL_BF16 = 2e-2  # one bf16 rounding of outputs of magnitude ~1
@@ -218,7 +218,7 @@ def test_varlen_kernel_runs_micro_kernels_where_bf16_is_native() -> None:
     ops = attention_ops()
     if ops is None:
         pytest.fail("the attention kernels did not build on this machine")
-    assert ops.varlen_micro_kernels() == cpu_has_fast_bf16()
+    assert ops.varlen_micro_kernels() == CpuPlatform().supports("bf16_fast")
 
 
 def test_varlen_kernel_bf16_peaked_scores() -> None:

@@ -248,8 +248,7 @@ def test_add_layer_norm_refuses_a_residual_of_another_shape():
 
 def test_linear_add_norm_sums_in_the_norm_only_where_chosen(monkeypatch):
     """``linear_add_norm`` gives the layer's output either way (to bf16 rounding against fp64),
-    and adds in the norm exactly where ``residual_add_in_norm`` says so."""
-    from cenote.models.layers import linear as linear_module
+    and adds in the norm exactly where the layer's ``adds_residual_in_norm`` says so."""
     from cenote.models.layers.linear import TrunkLinear, linear_add_norm
     from cenote.models.layers.norm import LayerNorm
 
@@ -274,7 +273,7 @@ def test_linear_add_norm_sums_in_the_norm_only_where_chosen(monkeypatch):
 
     monkeypatch.setattr(LayerNorm, "add_normalize_", spy)
     for in_norm in (False, True):
-        monkeypatch.setattr(linear_module, "residual_add_in_norm", lambda v=in_norm: v)
+        layer.adds_residual_in_norm = in_norm
         with torch.inference_mode():
             out = linear_add_norm(layer, x, residual.clone(), norm)
         assert len(calls) == int(in_norm)

@@ -168,9 +168,9 @@ def test_w8a8_needs_bf16():
 
 
 def test_w8a8_needs_int8_dot_products(monkeypatch):
-    import cenote.models.loader as loader
+    import cenote.platforms.cpu as cpu_platform
     from cenote import LLM
 
-    monkeypatch.setattr(loader, "cpu_features", lambda: ("avx2", "fma"))
+    monkeypatch.setattr(cpu_platform, "_this_cpu", lambda: frozenset({"avx2", "fma"}))
     with pytest.raises(ValueError, match="needs int8 dot products .* this CPU has avx2, fma"):
         LLM(dtype="bfloat16", quantization="w8a8")

@@ -10,7 +10,7 @@ from functools import cached_property
 import torch
 
 from cenote.forward_context import AttentionMetadata
-from cenote.platform import to_device
+from cenote.platforms import to_device
 
 
 @dataclass

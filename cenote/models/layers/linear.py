@@ -7,16 +7,16 @@ kernel's rows do not depend on the batch size (a row's result is the same alone 
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cenote.kernels import cpu_features, ops
+from cenote.kernels import ops
 from cenote.models.layers.lora import LoRAHost
 from cenote.models.layers.norm import LayerNorm
+from cenote.platforms import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ class TrunkLinear(LoRAHost, nn.Linear):
 
     _packed: torch.Tensor | None = None
     _int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # a residual add after this layer runs in the next LayerNorm's kernel, not as the matmul's
+    # epilogue (``linear_add_norm``); the platform's choice, set by ``prepack_trunk``
+    adds_residual_in_norm: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias)
@@ -147,18 +150,6 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
     return residual + layer(x)
 
 
-@functools.cache
-def residual_add_in_norm() -> bool:
-    """Whether a residual add followed by a LayerNorm runs as a plain matmul and the norm's
-    kernel adding the residual (``LayerNorm.add_normalize_``), not oneDNN's binary-add epilogue.
-    Measured on AMD EPYC Zen 5 (AVX512-BF16, no AMX; bf16, 8,192 rows, 2 threads): the epilogue
-    costs 1.0-1.5 ms more per matmul than a plain one, the norm's add 0.1-0.3 ms, so MiniLM's
-    [8192, 384] x [384, 384] + add + norm takes 5.6 -> 4.8 ms and [8192, 1536] x [1536, 384]
-    15.4 -> 14.1 ms (error vs fp64 the same). Not measured on AMX machines, which keep the
-    epilogue."""
-    return "avx512_bf16" in cpu_features() and "amx_bf16" not in cpu_features()
-
-
 def linear_add_norm(
     layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: LayerNorm
 ) -> torch.Tensor:
@@ -169,8 +160,8 @@ def linear_add_norm(
         and x.dim() == 2
         and x.dtype == layer.weight.dtype
         and x.is_contiguous()  # packed or not: the choice is the norm's, not the matmul's
+        and layer.adds_residual_in_norm
         and norm.runs_in_place(residual)
-        and residual_add_in_norm()
     ):
         return norm.add_normalize_(layer(x), residual)
     return norm.normalize_(linear_add(layer, x, residual))
@@ -186,11 +177,16 @@ def quantize_trunk_w8a8(model: nn.Module) -> int:
     return count
 
 
-def prepack_trunk(model: nn.Module) -> int:
-    """Prepack every ``TrunkLinear`` of ``model``; returns how many were packed."""
+def prepack_trunk(model: nn.Module, platform: Platform) -> int:
+    """Prepack every ``TrunkLinear`` of ``model`` and give it ``platform``'s place for the
+    residual add before a LayerNorm: the norm's kernel where the platform has
+    ``residual_add_in_norm`` (AVX512-BF16 without AMX: docs/performance.md), else the matmul's
+    epilogue. Returns how many were packed."""
+    in_norm = platform.supports("residual_add_in_norm")
     count = 0
     for module in model.modules():
         if isinstance(module, TrunkLinear):
+            module.adds_residual_in_norm = in_norm
             module.prepack()
             count += module._packed is not None
     return count

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from cenote.kernels import ops
-from cenote.platform import runs_cpu_kernels
+from cenote.platforms import runs_cpu_kernels
 
 
 @dataclass(frozen=True)
