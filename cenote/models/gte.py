@@ -124,7 +124,7 @@ class GteModel(nn.Module):
         self.emb_ln = LayerNorm(hidden, eps=config.get("layer_norm_eps", 1e-12))
         self.layers = nn.ModuleList(GteLayer(config, i) for i in range(config["num_hidden_layers"]))
         self.checkpoint_map = CheckpointMap(
-            {**self._trunk_slots(), **self._head_slots()},
+            self._trunk_slots(),
             prefixes=("new.", "gte."),
             unused=self._unused(),
         )
@@ -142,9 +142,6 @@ class GteModel(nn.Module):
                 slots.update(linear_slots(f"{src}.{name}", f"{dst}.{ours}"))
             slots[f"{src}.mlp.up_gate_proj.weight"] = Slot(f"{dst}.up_gate_proj.weight")
         return slots
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {}
 
     def _unused(self) -> tuple[str, ...]:
         """The CLS pooler and masked-LM head a trunk does not use; position-id buffers."""
@@ -175,6 +172,3 @@ class GteModel(nn.Module):
 class GteForSequenceClassification(TanhPoolerHead, GteModel):
     """Trunk + pooler (dense + tanh on the CLS token) + ``classifier``, as BERT's head
     (gte-multilingual-reranker-base); the head runs in fp32."""
-
-    def _unused(self) -> tuple[str, ...]:
-        return ("lm_head.", "embeddings.position_ids")

@@ -124,7 +124,7 @@ class JinaBertModel(nn.Module):
             JinaBertLayer(config, i, slopes) for i in range(config["num_hidden_layers"])
         )
         self.checkpoint_map = CheckpointMap(
-            {**self._trunk_slots(), **self._head_slots()},
+            self._trunk_slots(),
             prefixes=("bert.",),
             unused=self._unused(),
         )
@@ -142,9 +142,6 @@ class JinaBertModel(nn.Module):
                 slots.update(linear_slots(f"{src}.{name}", f"{dst}.{ours}"))
             slots[f"{src}.mlp.gated_layers.weight"] = Slot(f"{dst}.gated_layers.weight")
         return slots
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {}
 
     def _unused(self) -> tuple[str, ...]:
         """The CLS pooler and masked-LM head a trunk does not use; position-id buffers."""
@@ -173,6 +170,3 @@ class JinaBertModel(nn.Module):
 class JinaBertForSequenceClassification(TanhPoolerHead, JinaBertModel):
     """Trunk + pooler (dense + tanh on the CLS token) + ``classifier``, as BERT's head
     (jina-reranker-v1); the head runs in fp32."""
-
-    def _unused(self) -> tuple[str, ...]:
-        return ("cls.", "embeddings.position_ids")
