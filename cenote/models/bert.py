@@ -9,7 +9,16 @@ import torch
 from torch import Tensor, nn
 
 from cenote.config import ModelConfig
-from cenote.models.checkpoint_map import LinearSlot
+from cenote.models.checkpoint_map import (
+    TF_LAYER_NORM_NAMES,
+    CheckpointMap,
+    LinearSlot,
+    Slot,
+    fused_slots,
+    linear_slot,
+    linear_slots,
+    load_checkpoint,
+)
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.embedding import Embedding
@@ -20,7 +29,6 @@ from cenote.models.layers.linear import (
     linear_gelu,
 )
 from cenote.models.layers.norm import LayerNorm
-from cenote.models.weights import copy_weight
 
 
 class BertEmbeddings(nn.Module):
@@ -83,7 +91,7 @@ class BertLayer(nn.Module):
         return linear_add_norm(self.output, inner, x, self.output_norm)
 
 
-# checkpoint name -> our name, for the parts of a layer whose names differ
+# a layer's checkpoint module -> ours
 _LAYER_NAMES = {
     "attention.output.dense": "attn_out",
     "attention.output.LayerNorm": "attn_norm",
@@ -91,7 +99,7 @@ _LAYER_NAMES = {
     "output.dense": "output",
     "output.LayerNorm": "output_norm",
 }
-_QKV = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
+_QKV = ("attention.self.query", "attention.self.key", "attention.self.value")
 
 
 class BertModel(nn.Module):
@@ -99,7 +107,6 @@ class BertModel(nn.Module):
 
     is_causal = False
     checkpoint_prefixes: tuple[str, ...] = ("bert.", "model.")
-    has_classifier_head = False  # a task head (bert_classifiers.py) loads ``classifier.*``
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
@@ -111,7 +118,7 @@ class BertModel(nn.Module):
             BertLayer(config, i) for i in range(config["num_hidden_layers"])
         )
         self.pooler_dense = nn.Linear(self.hidden_size, self.hidden_size)  # HF BertPooler (CLS)
-        self.has_pooler_weights = False
+        self.checkpoint_map = self._checkpoint_map()
 
     @staticmethod
     def _position_offset(config: dict[str, Any]) -> int:
@@ -136,75 +143,38 @@ class BertModel(nn.Module):
         """The trunk's output from the last layer's hidden states (BERT: those)."""
         return hidden
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the module; returns the names of our parameters loaded."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target = self._map_name(name)
-            if target is None:
-                continue
-            our_name, shard = target
-            param: torch.Tensor = params[our_name]
-            if shard is not None:
-                size = param.shape[0] // 3
-                param = param[shard * size : (shard + 1) * size]
-            copy_weight(param, tensor, name)
-            loaded.add(our_name if shard is None else f"{our_name}[{shard}]")
-        self.has_pooler_weights = "pooler_dense.weight" in loaded
-        return loaded
+    def _checkpoint_map(self) -> CheckpointMap:
+        """The trunk's map; a head extends it (``CheckpointMap.extended``) once it is built."""
+        slots = {
+            f"embeddings.{name}": Slot(f"embeddings.{name}")
+            for name, _ in self.embeddings.named_parameters()
+        }
+        slots.update(linear_slots("pooler.dense", "pooler_dense"))
+        for i in range(len(self.layers)):
+            src, dst = f"encoder.layer.{i}", f"layers.{i}"
+            slots.update(fused_slots([f"{src}.{module}" for module in _QKV], f"{dst}.qkv"))
+            for module, ours in _LAYER_NAMES.items():
+                slots.update(linear_slots(f"{src}.{module}", f"{dst}.{ours}"))
+        return CheckpointMap(
+            slots,
+            prefixes=self.checkpoint_prefixes,
+            # position-id buffers; the pre-training heads (masked LM, next sentence) and a task
+            # head's classifier, when such a checkpoint is served as a trunk
+            unused=(r"embeddings\.position_ids", r"cls\.", r"classifier\."),
+            renames=TF_LAYER_NORM_NAMES,
+            optional=frozenset({"pooler_dense.weight", "pooler_dense.bias"}),  # CLS pooler
+        )
 
-    def _map_name(self, name: str) -> tuple[str, int | None] | None:
-        for prefix in self.checkpoint_prefixes:
-            if name.startswith(prefix):
-                name = name[len(prefix) :]
-                break
-        if name.startswith("embeddings."):
-            return None if name.endswith("position_ids") else (name, None)
-        if name.startswith("pooler.dense."):
-            return "pooler_dense." + name.rsplit(".", 1)[-1], None
-        if name.startswith("classifier."):
-            # a task head (bert_classifiers.py) keeps HF's names; trunks skip it
-            return (name, None) if self.has_classifier_head else None
-        if not name.startswith("encoder.layer."):
-            return None
-        rest = name[len("encoder.layer.") :]
-        index, rest = rest.split(".", 1)
-        module, kind = rest.rsplit(".", 1)
-        if module in _QKV:
-            return f"layers.{index}.qkv.{kind}", _QKV[module]
-        if module in _LAYER_NAMES:
-            return f"layers.{index}.{_LAYER_NAMES[module]}.{kind}", None
-        return None
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_checkpoint(self, self.checkpoint_map, weights)
 
     def linear_slot(self, checkpoint_name: str) -> LinearSlot | None:
         """Where ``<module>.weight`` lives: query/key/value are thirds of the fused ``qkv``
         (``LoRATarget``)."""
-        target = self._map_name(checkpoint_name)
-        if target is None or not target[0].endswith(".weight"):
-            return None
-        module_name, shard = target[0].removesuffix(".weight"), target[1]
-        try:
-            module = self.get_submodule(module_name)
-        except AttributeError:
-            return None
-        if not isinstance(module, nn.Linear):
-            return None
-        if shard is None:
-            return LinearSlot(module_name, 0, module.out_features)
-        size = module.out_features // 3
-        return LinearSlot(module_name, shard * size, (shard + 1) * size)
+        return linear_slot(self, self.checkpoint_map, checkpoint_name)
 
     def required_parameters(self) -> set[str]:
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            if name.startswith("pooler_dense."):
-                continue
-            if name.endswith("qkv.weight") or name.endswith("qkv.bias"):
-                names.update(f"{name}[{i}]" for i in range(3))
-            else:
-                names.add(name)
-        return names
+        return self.checkpoint_map.required()
 
 
 class RobertaModel(BertModel):

@@ -17,7 +17,7 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert import BertModel, RobertaModel
-from cenote.models.checkpoint_map import Slot, linear_slots
+from cenote.models.checkpoint_map import CheckpointMap, linear_slots
 from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.linear import linear_fp32
 from cenote.pooling.methods import PoolingMethod
@@ -35,18 +35,18 @@ class TanhPoolerHead(ScorerDefaults):
 
     config: dict[str, Any]
     hidden_size: int
+    checkpoint_map: CheckpointMap
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)  # type: ignore[call-arg]  # the trunk's __init__
         self.num_labels = num_labels_of(self.config)
         self.pooler_dense = nn.Linear(self.hidden_size, self.hidden_size)
         self.classifier = nn.Linear(self.hidden_size, self.num_labels)
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {
+        head = {
             **linear_slots("pooler.dense", "pooler_dense"),
             **linear_slots("classifier", "classifier"),
         }
+        self.checkpoint_map: CheckpointMap = self.checkpoint_map.extended(head)
 
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled [N, hidden]`` (CLS rows) -> fp32 logits ``[N, num_labels]``."""
@@ -56,13 +56,13 @@ class TanhPoolerHead(ScorerDefaults):
 class _BertWithClassifier(ScorerDefaults, BertModel):
     """BERT trunk + ``classifier``, a linear layer to the config's labels."""
 
-    has_classifier_head = True
     head_modules: tuple[str, ...] = ("classifier",)  # ``ReplaceableHead``
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
         self.num_labels = num_labels_of(self.config)
         self.classifier = nn.Linear(self.hidden_size, self.num_labels)
+        self.checkpoint_map = self.checkpoint_map.extended(linear_slots("classifier", "classifier"))
 
 
 class BertForSequenceClassification(_BertWithClassifier):
@@ -70,12 +70,16 @@ class BertForSequenceClassification(_BertWithClassifier):
 
     head_modules: tuple[str, ...] = ("pooler_dense", "classifier")  # ``ReplaceableHead``
 
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        # the head reads the pooler: no longer optional
+        self.checkpoint_map = self.checkpoint_map.extended(
+            required=("pooler_dense.weight", "pooler_dense.bias")
+        )
+
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled [N, hidden]`` (CLS rows) -> fp32 logits ``[N, num_labels]``."""
         return linear_fp32(torch.tanh(linear_fp32(pooled, self.pooler_dense)), self.classifier)
-
-    def required_parameters(self) -> set[str]:
-        return super().required_parameters() | {"pooler_dense.weight", "pooler_dense.bias"}
 
 
 class RobertaClassificationHead(nn.Module):
@@ -93,7 +97,6 @@ class RobertaClassificationHead(nn.Module):
 class RobertaForSequenceClassification(ScorerDefaults, RobertaModel):
     """RoBERTa / XLM-R trunk + classification head on ``<s>``."""
 
-    has_classifier_head = True
     # ``ReplaceableHead``: an adapter's ``modules_to_save=["classifier"]`` saves both linears
     head_modules: tuple[str, ...] = ("classifier.dense", "classifier.out_proj")
 
@@ -101,6 +104,12 @@ class RobertaForSequenceClassification(ScorerDefaults, RobertaModel):
         super().__init__(model_config)
         self.num_labels = num_labels_of(self.config)
         self.classifier = RobertaClassificationHead(self.hidden_size, self.num_labels)
+        self.checkpoint_map = self.checkpoint_map.extended(
+            {
+                **linear_slots("classifier.dense", "classifier.dense"),
+                **linear_slots("classifier.out_proj", "classifier.out_proj"),
+            }
+        )
 
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.classifier(pooled)  # [N, num_labels] fp32

@@ -17,7 +17,7 @@ run in fp32 on the trunk's rows (``cenote/pooling/bge_m3.py``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert import RobertaModel
+from cenote.models.checkpoint_map import Derived
 from cenote.models.registry import COLBERT_HEAD_FILE, SPARSE_HEAD_FILE
 
 # the token ids FlagEmbedding leaves out of the lexical weights (its ``unused_tokens``), and the
@@ -53,6 +54,26 @@ def _load_head(path: Path, out_features: int | None, hidden_size: int) -> dict[s
             f"({rows}, {hidden_size}) / ({rows},)"
         )
     return {"weight": weight, "bias": bias}
+
+
+def _head_parameters(
+    module: str, path: Path, out_features: int, hidden_size: int
+) -> tuple[Derived, Derived]:
+    """The weight and bias of head ``module``, read from ``path`` (once) when the weights load."""
+    state: dict[str, torch.Tensor] = {}
+
+    def read(kind: str) -> Callable[[dict[str, Any]], torch.Tensor]:
+        def compute(_: dict[str, Any]) -> torch.Tensor:
+            if not state:
+                state.update(_load_head(path, out_features, hidden_size))
+            return state[kind]
+
+        return compute
+
+    return (
+        Derived(f"{module}.weight", (), read("weight")),
+        Derived(f"{module}.bias", (), read("bias")),
+    )
 
 
 def _special_token(tokenizer_config: dict[str, Any], key: str) -> str:
@@ -91,23 +112,20 @@ class BgeM3Model(RobertaModel):
         self.sparse_linear = nn.Linear(self.hidden_size, 1)
         self.colbert_linear = nn.Linear(self.hidden_size, self.colbert_dim)
         self.unused_token_ids = _unused_token_ids(self.folder)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The trunk's checkpoint, then the two heads (kept in fp32 by ``post_load``)."""
-        loaded = super().load_weights(weights)
-        heads = {
-            "sparse_linear": _load_head(self.folder / SPARSE_HEAD_FILE, 1, self.hidden_size),
-            "colbert_linear": _load_head(
-                self.folder / COLBERT_HEAD_FILE, self.colbert_dim, self.hidden_size
-            ),
-        }
-        with torch.no_grad():
-            for module_name, state in heads.items():
-                module = getattr(self, module_name)
-                for kind, tensor in state.items():
-                    getattr(module, kind).copy_(tensor)
-                    loaded.add(f"{module_name}.{kind}")
-        return loaded
+        # the heads come from the folder's .pt files, not the checkpoint
+        self.checkpoint_map = self.checkpoint_map.extended(
+            derived=(
+                *_head_parameters(
+                    "sparse_linear", self.folder / SPARSE_HEAD_FILE, 1, self.hidden_size
+                ),
+                *_head_parameters(
+                    "colbert_linear",
+                    self.folder / COLBERT_HEAD_FILE,
+                    self.colbert_dim,
+                    self.hidden_size,
+                ),
+            )
+        )
 
     def post_load(self) -> None:
         """The heads back in fp32 (the loader cast everything to the runtime dtype): the

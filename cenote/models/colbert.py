@@ -33,6 +33,7 @@ from tokenizers import Tokenizer
 from cenote.config import ModelConfig
 from cenote.inputs import TextRole
 from cenote.models.bert import BertModel
+from cenote.models.checkpoint_map import Slot
 from cenote.models.layers.attention import EncoderMaskFn
 from cenote.models.layers.linear import TrunkLinear
 
@@ -267,17 +268,13 @@ class HFColBERT(ColBERTMarks, BertModel):
         self._init_marks(model_config)
         self.linear = TrunkLinear(self.hidden_size, self.settings.dim, bias=False)
         self.hidden_size = self.settings.dim  # what the pooler receives
+        self.checkpoint_map = self.checkpoint_map.extended({"linear.weight": Slot("linear.weight")})
 
     def _output(
         self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """Projected to ``dim``; documents' punctuation rows are zeros."""
         return super()._output(self.linear(hidden), input_ids, positions)  # [num_tokens, dim]
-
-    def _map_name(self, name: str) -> tuple[str, int | None] | None:
-        if name == "linear.weight":
-            return name, None
-        return super()._map_name(name)
 
 
 def _marked(

@@ -314,7 +314,7 @@ class DebertaV2Model(nn.Module):
         self.rel_norm = LayerNorm(self.hidden_size, eps=eps) if normalized else None
         self.conv = ConvLayer(config) if int(config.get("conv_kernel_size", 0)) > 0 else None
         self.checkpoint_map = CheckpointMap(
-            {**self._trunk_slots(), **self._head_slots()},
+            self._trunk_slots(),
             prefixes=("deberta.",),
             unused=self._unused(),
         )
@@ -343,9 +343,6 @@ class DebertaV2Model(nn.Module):
                     linear_slots(f"{src}.attention.self.pos_query_proj", f"{dst}.pos_query_proj")
                 )
         return slots
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {}
 
     def _unused(self) -> tuple[str, ...]:
         """transformers ignores a position table the config does not use; the masked-LM heads
@@ -403,12 +400,11 @@ class DebertaV2ForSequenceClassification(ScorerDefaults, DebertaV2Model):
         self.pooler_dense = nn.Linear(pooler_size, pooler_size)
         self.pooler_act = get_activation(config.get("pooler_hidden_act", "gelu"))
         self.classifier = nn.Linear(hidden, self.num_labels)
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {
+        head = {
             **linear_slots("pooler.dense", "pooler_dense"),
             **linear_slots("classifier", "classifier"),
         }
+        self.checkpoint_map = self.checkpoint_map.extended(head)
 
     def compute_scores(self, pooled: Tensor) -> Tensor:
         """``pooled [N, hidden]`` (first-token rows) -> fp32 logits ``[N, num_labels]``."""

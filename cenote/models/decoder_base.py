@@ -10,30 +10,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cenote.models.checkpoint_map import LinearSlot
+from cenote.models.checkpoint_map import (
+    CheckpointMap,
+    LinearSlot,
+    Slot,
+    linear_slot,
+    load_checkpoint,
+)
 from cenote.models.layers.decoder import DecoderAttention
-from cenote.models.layers.quant import QuantizedWeight, QuantLinear
+from cenote.models.layers.quant import QuantizedWeight
 from cenote.models.sliding_window import kv_free_window
-from cenote.models.weights import copy_weight
 
-# checkpoint module -> (our fused module, shard)
-_SHARDS = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
-FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}  # their shards, in order
-
-
-def map_name(name: str) -> tuple[str, str | None]:
-    """Our parameter name for a checkpoint name, and the shard of it the tensor fills."""
-    parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] in _SHARDS:
-        fused, shard = _SHARDS[parts[-2]]
-        return ".".join([*parts[:-2], fused, parts[-1]]), shard
-    return name, None
+# our fused module -> the checkpoint modules it holds, in row order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# checkpoint tensors that are no parameters: buffers transformers saves (Gemma's embed_scale),
+# and an LM head the model has no place for (tied embeddings; a classifier converted from a
+# causal LM); a model with its own ``lm_head`` has a slot for it, which comes first
+DECODER_UNUSED = (r".*rotary_emb\.inv_freq$", r".*embed_scale$", r"lm_head\.weight$")
 
 
 class DecoderBase(nn.Module):
@@ -46,15 +39,14 @@ class DecoderBase(nn.Module):
 
     is_causal = True
     model: nn.Module
-    # checkpoint tensors that are no parameters (buffers transformers saves)
-    skipped_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    checkpoint_map: CheckpointMap  # set by ``_set_sizes``; heads extend it
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
         self.config = config
         self.hidden_size: int = config["hidden_size"]
         # module name -> its quantized shards, for the modules ``prepare_quantized`` emptied
-        self._quantized_parts: dict[str, dict[str | None, QuantizedWeight]] = {}
+        self._quantized_parts: dict[str, dict[int | None, QuantizedWeight]] = {}
 
     def _set_sizes(self, windows: list[int | None], attention: DecoderAttention) -> None:
         """The KV-cache sizes and shard rows, from the layers' windows and one layer's attention
@@ -64,14 +56,30 @@ class DecoderBase(nn.Module):
         self.head_dim: int = attention.head_dim
         self.kv_sliding_window = kv_free_window(windows)
         self.attention_windows = tuple(sorted(set(windows), key=lambda window: window or 0))
+        self.checkpoint_map = self._trunk_map(attention)
+
+    def _trunk_map(self, attention: DecoderAttention) -> CheckpointMap:
+        """Hugging Face names, ``model.`` optional (a base model's checkpoint lacks it); q/k/v
+        and gate/up are row blocks of the fused projections; other parameters keep their
+        names."""
         q, kv, intermediate = attention.q_size, attention.kv_size, self.config["intermediate_size"]
-        self._shard_rows = {
-            "q": (0, q),
-            "k": (q, q + kv),
-            "v": (q + kv, q + 2 * kv),
-            "gate": (0, intermediate),
-            "up": (intermediate, 2 * intermediate),
+        rows = {
+            "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+            "gate_up_proj": [(0, intermediate), (intermediate, 2 * intermediate)],
         }
+        slots: dict[str, Slot] = {}
+        for name, _ in self.named_parameters():
+            key = name.removeprefix("model.")
+            module, _, kind = key.rpartition(".")
+            parent, _, leaf = module.rpartition(".")
+            if leaf in FUSED:
+                for shard, part in enumerate(FUSED[leaf]):
+                    slots[f"{parent}.{part}.{kind}"] = Slot(
+                        name, shard, len(FUSED[leaf]), rows[leaf][shard]
+                    )
+            else:
+                slots[key] = Slot(name)
+        return CheckpointMap(slots, prefixes=("model.",), unused=DECODER_UNUSED)
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
@@ -79,68 +87,32 @@ class DecoderBase(nn.Module):
         # token_type_ids unused: decoders have no token types
         return self.model(input_ids, positions)  # [num_tokens, hidden]
 
-    def _checkpoint_name(self, name: str) -> str:
-        """The checkpoint name as the full model names it (a base model's lacks ``model.``)."""
-        return name
-
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
     ) -> set[str]:
-        """Copy checkpoint tensors into the module; returns the names of our parameters loaded.
+        """``load_checkpoint`` by ``checkpoint_map``; ``QuantizedWeight``s go to the modules
+        ``prepare_quantized`` emptied."""
+        return load_checkpoint(self, self.checkpoint_map, weights, self._place_quantized)
 
-        Fused shards are reported as ``"<param>[<shard>]"``. Raises on a checkpoint tensor this
-        model has no place for (other than saved buffers and an unused ``lm_head``).
-        ``QuantizedWeight``s go to the modules ``prepare_quantized`` chose.
-        """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith(self.skipped_suffixes):
-                continue
-            our_name, shard = map_name(self._checkpoint_name(name))
-            if isinstance(tensor, QuantizedWeight):
-                module_name = our_name.rpartition(".")[0]
-                if module_name in self._quantized_parts:
-                    self._quantized_parts[module_name][shard] = tensor
-                elif name != "lm_head.weight":
-                    raise ValueError(f"quantized tensor {name!r} has no quantized place here")
-                continue
-            if name == "lm_head.weight" and name not in params:
-                continue  # tied embeddings, or a classifier converted from a causal LM
-            if our_name not in params:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
-                )
-            target: torch.Tensor = params[our_name]
-            if shard is not None:
-                start, end = self._shard_rows[shard]
-                target = target[start:end]
-            copy_weight(target, tensor, name)
-            loaded.add(our_name if shard is None else f"{our_name}[{shard}]")
-        return loaded
+    def _place_quantized(self, slot: Slot, tensor: QuantizedWeight) -> bool:
+        parts = self._quantized_parts.get(slot.param.rpartition(".")[0])
+        if parts is None:
+            return False
+        parts[slot.shard] = tensor
+        return True
+
+    def weight_shards(self, module_name: str) -> set[int | None]:
+        """The shards a module's weight loads in (``{None}``: one tensor)."""
+        return {
+            slot.shard
+            for slot in self.checkpoint_map.slots.values()
+            if slot.param == f"{module_name}.weight"
+        }
 
     def linear_slot(self, checkpoint_name: str) -> LinearSlot | None:
         """Where ``<module>.weight`` lives: q/k/v and gate/up are row blocks of the fused
         ``qkv_proj`` / ``gate_up_proj`` (``LoRATarget``)."""
-        our_name, shard = map_name(self._checkpoint_name(checkpoint_name))
-        module_name, _, leaf = our_name.rpartition(".")
-        if leaf != "weight":
-            return None
-        try:
-            module = self.get_submodule(module_name)
-        except AttributeError:
-            return None
-        if not isinstance(module, (nn.Linear, QuantLinear)):
-            return None
-        start, end = (0, module.out_features) if shard is None else self._shard_rows[shard]
-        return LinearSlot(module_name, start, end)
+        return linear_slot(self, self.checkpoint_map, checkpoint_name)
 
     def required_parameters(self) -> set[str]:
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            module = name.split(".")[-2]
-            if module in FUSED:
-                names.update(f"{name}[{shard}]" for shard in FUSED[module])
-            else:
-                names.add(name)
-        return names
+        return self.checkpoint_map.required()

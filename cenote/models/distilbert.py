@@ -57,16 +57,15 @@ class DistilBertForSequenceClassification(ScorerDefaults, DistilBertModel):
     """Trunk + ``classifier(relu(pre_classifier(h_cls)))`` (msmarco cross-encoders)."""
 
     def __init__(self, model_config: ModelConfig) -> None:
-        self.num_labels = num_labels_of(model_config.hf_config)
         super().__init__(model_config)
+        self.num_labels = num_labels_of(self.config)
         self.pre_classifier = nn.Linear(self.hidden_size, self.hidden_size)
         self.classifier = nn.Linear(self.hidden_size, self.num_labels)
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {
+        head = {
             **linear_slots("pre_classifier", "pre_classifier"),
             **linear_slots("classifier", "classifier"),
         }
+        self.checkpoint_map = self.checkpoint_map.extended(head)
 
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled [N, dim]`` (CLS rows) -> fp32 logits ``[N, num_labels]``."""
@@ -78,8 +77,8 @@ class DistilBertForMaskedLM(DistilBertModel):
     """Trunk + masked-LM head; ``compute_mlm_logits`` runs it in fp32 (SPLADE)."""
 
     def __init__(self, model_config: ModelConfig) -> None:
-        self.tied = bool(model_config.hf_config.get("tie_word_embeddings", True))
         super().__init__(model_config)
+        self.tied = bool(self.config.get("tie_word_embeddings", True))
         config, hidden = self.config, self.hidden_size
         self.act = get_activation(config.get("activation", "gelu"))
         self.vocab_transform = nn.Linear(hidden, hidden)
@@ -89,20 +88,16 @@ class DistilBertForMaskedLM(DistilBertModel):
             None if self.tied else nn.Parameter(torch.empty(config["vocab_size"], hidden))
         )
         self.vocab_bias = nn.Parameter(torch.empty(config["vocab_size"]))
-
-    def _head_slots(self) -> dict[str, Slot]:
-        slots = {
+        head = {
             **linear_slots("vocab_transform", "vocab_transform"),
             **linear_slots("vocab_layer_norm", "vocab_layer_norm"),
             "vocab_projector.bias": Slot("vocab_bias"),
         }
         if not self.tied:
-            slots["vocab_projector.weight"] = Slot("vocab_weight")
-        return slots
-
-    def _unused(self) -> tuple[str, ...]:
+            head["vocab_projector.weight"] = Slot("vocab_weight")
         # older checkpoints also store the tied projector; transformers ties it on load
-        return ("vocab_projector.weight",) if self.tied else ()
+        unused = () if not self.tied else (r"vocab_projector\.weight",)
+        self.checkpoint_map = self.checkpoint_map.extended(head, unused)
 
     def compute_mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, dim]`` -> fp32 vocabulary logits ``[N, vocab_size]``."""

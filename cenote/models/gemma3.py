@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from cenote.config import ModelConfig
+from cenote.models.checkpoint_map import Slot
 from cenote.models.decoder_base import DecoderBase
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
 from cenote.models.layers.embedding import Embedding
@@ -153,7 +154,6 @@ class Gemma3Base(DecoderBase):
     """Trunk (``self.model``) + weight loading shared by the causal LM and the encoder."""
 
     model: Gemma3Model
-    skipped_suffixes = ("rotary_emb.inv_freq", "embed_scale")
 
     def __init__(
         self, model_config: ModelConfig, bidirectional: bool = False, causal: bool | None = None
@@ -184,6 +184,9 @@ class Gemma3ForCausalLM(Gemma3Base):
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(self.hidden_size, config["vocab_size"], bias=False)
+            self.checkpoint_map = self.checkpoint_map.extended(
+                {"lm_head.weight": Slot("lm_head.weight")}
+            )
         self.logits_head = LMHead(softcap=config.get("final_logit_softcapping"))
 
     def post_load(self) -> None:
@@ -209,6 +212,3 @@ class Gemma3TextModel(Gemma3Base):
     def __init__(self, model_config: ModelConfig) -> None:
         bidirectional = bool(model_config.hf_config.get("use_bidirectional_attention"))
         super().__init__(model_config, bidirectional, causal=None if bidirectional else True)
-
-    def _checkpoint_name(self, name: str) -> str:
-        return name if name.startswith("model.") else f"model.{name}"

@@ -105,6 +105,11 @@ _LAYER_NAMES = {
 }
 
 
+# the CLS pooler and masked-LM head a trunk does not use (a classifier's pooler has a slot,
+# which comes first); position-id buffers
+_UNUSED = (r"pooler\.", r"lm_head\.", r"embeddings\.position_ids")
+
+
 class GteModel(nn.Module):
     """``forward(input_ids, positions, token_type_ids) -> hidden_states [num_tokens, hidden]``."""
 
@@ -124,9 +129,9 @@ class GteModel(nn.Module):
         self.emb_ln = LayerNorm(hidden, eps=config.get("layer_norm_eps", 1e-12))
         self.layers = nn.ModuleList(GteLayer(config, i) for i in range(config["num_hidden_layers"]))
         self.checkpoint_map = CheckpointMap(
-            {**self._trunk_slots(), **self._head_slots()},
+            self._trunk_slots(),
             prefixes=("new.", "gte."),
-            unused=self._unused(),
+            unused=_UNUSED,
         )
 
     def _trunk_slots(self) -> dict[str, Slot]:
@@ -142,13 +147,6 @@ class GteModel(nn.Module):
                 slots.update(linear_slots(f"{src}.{name}", f"{dst}.{ours}"))
             slots[f"{src}.mlp.up_gate_proj.weight"] = Slot(f"{dst}.up_gate_proj.weight")
         return slots
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {}
-
-    def _unused(self) -> tuple[str, ...]:
-        """The CLS pooler and masked-LM head a trunk does not use; position-id buffers."""
-        return ("pooler.", "lm_head.", "embeddings.position_ids")
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
@@ -175,6 +173,3 @@ class GteModel(nn.Module):
 class GteForSequenceClassification(TanhPoolerHead, GteModel):
     """Trunk + pooler (dense + tanh on the CLS token) + ``classifier``, as BERT's head
     (gte-multilingual-reranker-base); the head runs in fp32."""
-
-    def _unused(self) -> tuple[str, ...]:
-        return ("lm_head.", "embeddings.position_ids")

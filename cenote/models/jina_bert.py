@@ -104,6 +104,11 @@ _LAYER_NAMES = {
 _QKV = ["attention.self.query", "attention.self.key", "attention.self.value"]
 
 
+# the CLS pooler and masked-LM head a trunk does not use (a classifier's pooler has a slot,
+# which comes first); position-id buffers
+_UNUSED = (r"pooler\.", r"cls\.", r"embeddings\.position_ids")
+
+
 class JinaBertModel(nn.Module):
     """``forward(input_ids, positions, token_type_ids) -> hidden_states [num_tokens, hidden]``;
     positions enter only through ALiBi (distances within a request)."""
@@ -124,9 +129,9 @@ class JinaBertModel(nn.Module):
             JinaBertLayer(config, i, slopes) for i in range(config["num_hidden_layers"])
         )
         self.checkpoint_map = CheckpointMap(
-            {**self._trunk_slots(), **self._head_slots()},
+            self._trunk_slots(),
             prefixes=("bert.",),
-            unused=self._unused(),
+            unused=_UNUSED,
         )
 
     def _trunk_slots(self) -> dict[str, Slot]:
@@ -142,13 +147,6 @@ class JinaBertModel(nn.Module):
                 slots.update(linear_slots(f"{src}.{name}", f"{dst}.{ours}"))
             slots[f"{src}.mlp.gated_layers.weight"] = Slot(f"{dst}.gated_layers.weight")
         return slots
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {}
-
-    def _unused(self) -> tuple[str, ...]:
-        """The CLS pooler and masked-LM head a trunk does not use; position-id buffers."""
-        return ("pooler.", "cls.", "embeddings.position_ids")
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
@@ -173,6 +171,3 @@ class JinaBertModel(nn.Module):
 class JinaBertForSequenceClassification(TanhPoolerHead, JinaBertModel):
     """Trunk + pooler (dense + tanh on the CLS token) + ``classifier``, as BERT's head
     (jina-reranker-v1); the head runs in fp32."""
-
-    def _unused(self) -> tuple[str, ...]:
-        return ("cls.", "embeddings.position_ids")

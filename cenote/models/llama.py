@@ -9,7 +9,6 @@ Qwen2's ``use_sliding_window`` / ``max_window_layers``) follow ``models.sliding_
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -18,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cenote.config import ModelConfig
-from cenote.models.decoder_base import FUSED, DecoderBase, map_name
+from cenote.models.checkpoint_map import Derived, Slot
+from cenote.models.decoder_base import DecoderBase
 from cenote.models.interfaces import DecodeStackLayer, DecodeStackSpec, FusedDecode
 from cenote.models.layers.activation import SiluAndMul
 from cenote.models.layers.decoder import DecoderAttention, GatedMLP
@@ -182,20 +182,17 @@ class LlamaDecoder(DecoderBase):
         embedding table whose checkpoint tensors all come quantized (``names``, Hugging Face
         names) drop their dense weight; ``load_weights`` collects their ``QuantizedWeight``s and
         ``finish_quantized`` swaps in ``QuantLinear`` / ``QuantEmbedding``."""
-        shards: dict[str, set[str | None]] = {}
+        shards: dict[str, set[int | None]] = {}
         for name in names:
-            our_name, shard = map_name(name)
-            module_name, _, leaf = our_name.rpartition(".")
-            if leaf == "weight":
-                shards.setdefault(module_name, set()).add(shard)
+            slot = self.checkpoint_map.slot(name)
+            if slot is not None and slot.param.endswith(".weight"):
+                shards.setdefault(slot.param.removesuffix(".weight"), set()).add(slot.shard)
         self._quantized_parts = {}
         for module_name, got in shards.items():
-            try:
-                module = self.get_submodule(module_name)
-            except AttributeError:
-                continue  # e.g. an lm_head this model does not have
-            expected = set(FUSED.get(module_name.rsplit(".", 1)[-1], (None,)))
-            if got == expected and isinstance(module, (nn.Linear, nn.Embedding)):
+            module = self.get_submodule(module_name)
+            if got == self.weight_shards(module_name) and isinstance(
+                module, (nn.Linear, nn.Embedding)
+            ):
                 del module._parameters["weight"]
                 self._quantized_parts[module_name] = {}
 
@@ -205,7 +202,7 @@ class LlamaDecoder(DecoderBase):
             parent_name, _, child = module_name.rpartition(".")
             parent = self.get_submodule(parent_name) if parent_name else self
             module = getattr(parent, child)
-            order = FUSED.get(child, (None,))
+            order = sorted(self.weight_shards(module_name), key=lambda shard: shard or 0)
             if set(parts) != set(order):
                 raise ValueError(f"{module_name}: checkpoint lacks quantized shards of it")
             if isinstance(module, nn.Embedding):
@@ -226,6 +223,9 @@ class LlamaForCausalLM(LlamaDecoder):
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(self.hidden_size, self.config["vocab_size"], bias=False)
+            self.checkpoint_map = self.checkpoint_map.extended(
+                {"lm_head.weight": Slot("lm_head.weight")}
+            )
         self.logits_head = LMHead()
 
     def post_load(self) -> None:
@@ -280,37 +280,27 @@ class LlamaForSequenceClassification(LlamaDecoder):
             labels = self.config.get("id2label")
             self.num_labels = len(labels) if labels else int(self.config.get("num_labels", 2))
         self.score = nn.Linear(self.hidden_size, self.num_labels, bias=False)
+        if self.from_token_ids is None:
+            head_slots = {"score.weight": Slot("score.weight")}
+            self.checkpoint_map = self.checkpoint_map.extended(head_slots)
+        else:
+            sources = ("lm_head.weight", "embed_tokens.weight")
+            derived = Derived("score.weight", sources, self._score_from_tokens)
+            self.checkpoint_map = self.checkpoint_map.extended(derived=(derived,))
 
     def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 scores ``[N, num_labels]`` (the head runs in fp32)."""
         return F.linear(hidden.float(), self.score.weight.float())
 
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
-    ) -> set[str]:
-        if self.from_token_ids is None:
-            return super().load_weights(weights)
-        sources: dict[str, torch.Tensor] = {}
-
-        def trunk_weights() -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
-            for name, tensor in weights:
-                if name in ("lm_head.weight", "model.embed_tokens.weight"):
-                    sources[name] = (
-                        tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor
-                    )
-                if name != "lm_head.weight":
-                    yield name, tensor
-
-        loaded = super().load_weights(trunk_weights())
-        lm_head = sources.get("lm_head.weight", sources.get("model.embed_tokens.weight"))
+    def _score_from_tokens(self, sources: dict[str, Any]) -> torch.Tensor:
+        """The head from the LM-head rows of ``classifier_from_token`` (``Derived``)."""
+        lm_head = sources.get("lm_head.weight", sources.get("embed_tokens.weight"))
         if lm_head is None:
             raise ValueError("classifier_from_token needs lm_head.weight or tied embeddings")
+        if isinstance(lm_head, QuantizedWeight):
+            lm_head = lm_head.dequantize()
         rows = lm_head[self.from_token_ids].float()  # [num_tokens, hidden]
-        weight = (rows[1] - rows[0]).unsqueeze(0) if self.two_way else rows
-        with torch.no_grad():
-            self.score.weight.copy_(weight)
-        loaded.add("score.weight")
-        return loaded
+        return (rows[1] - rows[0]).unsqueeze(0) if self.two_way else rows
 
 
 def _token_ids(model_config: ModelConfig, tokens: list[str]) -> list[int]:

@@ -7,7 +7,7 @@ unless ``tie_word_embeddings`` is false. DistilBERT's masked LM lives in ``disti
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -15,13 +15,9 @@ from torch import nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert import BertModel
+from cenote.models.checkpoint_map import Slot, linear_slots
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.linear import linear_fp32
-from cenote.models.weights import copy_weight
-
-# checkpoint tensors a masked LM has no use for: the next-sentence head of BERT pre-training
-# checkpoints, position-id buffers, and the decoder copies transformers ties on load
-_UNUSED = ("cls.seq_relationship.", "embeddings.position_ids", "cls.predictions.decoder.")
 
 
 class BertForMaskedLM(BertModel):
@@ -37,44 +33,20 @@ class BertForMaskedLM(BertModel):
         self.transform_norm = nn.LayerNorm(hidden, eps=config.get("layer_norm_eps", 1e-12))
         self.decoder_weight = None if self.tied else nn.Parameter(torch.empty(vocab_size, hidden))
         self.decoder_bias = nn.Parameter(torch.empty(vocab_size))
-        self._head_names = {
-            "cls.predictions.transform.dense.weight": "transform.weight",
-            "cls.predictions.transform.dense.bias": "transform.bias",
-            "cls.predictions.transform.LayerNorm.weight": "transform_norm.weight",
-            "cls.predictions.transform.LayerNorm.bias": "transform_norm.bias",
-            "cls.predictions.bias": "decoder_bias",
+        head = {
+            **linear_slots("cls.predictions.transform.dense", "transform"),
+            **linear_slots("cls.predictions.transform.LayerNorm", "transform_norm"),
+            "cls.predictions.bias": Slot("decoder_bias"),
         }
         if not self.tied:
-            self._head_names["cls.predictions.decoder.weight"] = "decoder_weight"
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The trunk loads as BERT's; head tensors by name; any other tensor is refused."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-
-        def trunk_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                key = name.removeprefix("bert.")
-                if key in self._head_names:
-                    copy_weight(params[self._head_names[key]], tensor, name)
-                    loaded.add(key)
-                elif key.startswith(_UNUSED):
-                    continue
-                elif self._map_name(name) is None:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has no place in {type(self).__name__}; "
-                        "does config.json name the right architecture?"
-                    )
-                else:
-                    yield name, tensor
-
-        loaded |= super().load_weights(trunk_weights())
-        return loaded
-
-    def required_parameters(self) -> set[str]:
-        head_params = set(self._head_names.values())
-        trunk = {name for name in super().required_parameters() if name not in head_params}
-        return trunk | set(self._head_names)  # the head by its checkpoint names
+            head["cls.predictions.decoder.weight"] = Slot("decoder_weight")
+        # the next-sentence head of pre-training checkpoints; the decoder copies transformers
+        # ties on load (its weight is the word embeddings, its bias cls.predictions.bias)
+        unused = (r"cls\.seq_relationship\.", r"cls\.predictions\.decoder\.")
+        trunk = self.checkpoint_map
+        self.checkpoint_map = replace(trunk, unused=(r"embeddings\.position_ids",)).extended(
+            head, unused
+        )
 
     def compute_mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 vocabulary logits ``[N, vocab_size]``."""

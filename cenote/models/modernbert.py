@@ -18,13 +18,13 @@ from torch import Tensor, nn
 
 from cenote.config import ModelConfig
 from cenote.models.bert_classifiers import num_labels_of
+from cenote.models.checkpoint_map import CheckpointMap, Slot, linear_slots, load_checkpoint
 from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import TrunkLinear, linear_fp32
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
-from cenote.models.weights import load_by_name
 from cenote.pooling.methods import PoolingMethod
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -134,8 +134,12 @@ def both_masks(first: EncoderMaskFn, second: EncoderMaskFn | None) -> EncoderMas
     return mask_fn
 
 
-# checkpoint name (after the layer index) -> ours, where they differ
-_LAYER_NAMES = {"attn.Wqkv": "Wqkv", "attn.Wo": "Wo", "mlp.Wi": "Wi", "mlp.Wo": "mlp_out"}
+# our layer module -> the checkpoint's (after the layer index), where they differ
+_THEIR_LAYER_NAMES = {"Wqkv": "attn.Wqkv", "Wo": "attn.Wo", "Wi": "mlp.Wi", "mlp_out": "mlp.Wo"}
+_EMBEDDING_NAMES = {
+    "tok_embeddings": "embeddings.tok_embeddings",
+    "embedding_norm": "embeddings.norm",
+}
 
 
 class ModernBertModel(nn.Module):
@@ -163,6 +167,7 @@ class ModernBertModel(nn.Module):
         )
         self.layer_kinds = types
         self.final_norm = _layer_norm(config)
+        self.checkpoint_map = self._checkpoint_map()
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
@@ -187,33 +192,29 @@ class ModernBertModel(nn.Module):
         """The trunk's output from the final norm's (ModernBERT: those)."""
         return hidden
 
+    def _checkpoint_map(self) -> CheckpointMap:
+        """The trunk's parameters under their checkpoint names; a head extends the map."""
+        slots = {_checkpoint_name(name): Slot(name) for name, _ in self.named_parameters()}
+        # the masked-LM head of pre-trained checkpoints; a classifier's head, served as a trunk
+        unused = (r"head\.", r"decoder\.", r"classifier\.")
+        return CheckpointMap(slots, prefixes=(self.checkpoint_prefix,), unused=unused)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_by_name(self, weights, self._map_name)
-
-    def _map_name(self, name: str) -> str | None:
-        if name.startswith(self.checkpoint_prefix):
-            name = name[len(self.checkpoint_prefix) :]
-        elif name.startswith(("head.", "classifier.")):
-            return self._map_head_name(name)
-        if name.startswith("embeddings."):
-            return {
-                "embeddings.tok_embeddings.weight": "tok_embeddings.weight",
-                "embeddings.norm.weight": "embedding_norm.weight",
-                "embeddings.norm.bias": "embedding_norm.bias",
-            }.get(name)
-        if name.startswith("final_norm."):
-            return name
-        if not name.startswith("layers."):
-            return None  # e.g. the masked-LM decoder
-        _, index, rest = name.split(".", 2)
-        module, kind = rest.rsplit(".", 1)
-        return f"layers.{index}.{_LAYER_NAMES.get(module, module)}.{kind}"
-
-    def _map_head_name(self, name: str) -> str | None:
-        return None  # the trunk serves embeddings; ModernBertForSequenceClassification keeps them
+        return load_checkpoint(self, self.checkpoint_map, weights)
 
     def required_parameters(self) -> set[str]:
-        return {name for name, _ in self.named_parameters()}
+        return self.checkpoint_map.required()
+
+
+def _checkpoint_name(name: str) -> str:
+    """The checkpoint's name of our trunk parameter ``name``."""
+    module, _, kind = name.rpartition(".")
+    if module in _EMBEDDING_NAMES:
+        return f"{_EMBEDDING_NAMES[module]}.{kind}"
+    if module.startswith("layers."):
+        _, index, layer_module = module.split(".", 2)
+        return f"layers.{index}.{_THEIR_LAYER_NAMES.get(layer_module, layer_module)}.{kind}"
+    return name
 
 
 class ModernBertForSequenceClassification(ScorerDefaults, ModernBertModel):
@@ -239,12 +240,13 @@ class ModernBertForSequenceClassification(ScorerDefaults, ModernBertModel):
         self.head_act = get_activation(config.get("classifier_activation", "gelu"))
         self.head_norm = _layer_norm(config)
         self.classifier = nn.Linear(self.hidden_size, self.num_labels)
-
-    def _map_head_name(self, name: str) -> str | None:
-        if name.startswith("classifier."):
-            return name
-        module, kind = name.rsplit(".", 1)
-        return {"head.dense": "head_dense", "head.norm": "head_norm"}[module] + f".{kind}"
+        head = {
+            f"{theirs}.{kind}": Slot(f"{ours}.{kind}")
+            for theirs, ours in (("head.dense", "head_dense"), ("head.norm", "head_norm"))
+            for kind, _ in getattr(self, ours).named_parameters()
+        }
+        head.update(linear_slots("classifier", "classifier"))
+        self.checkpoint_map = self.checkpoint_map.extended(head)
 
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled [N, hidden]`` -> fp32 logits ``[N, num_labels]``."""

@@ -15,7 +15,7 @@ import torch
 
 from cenote.config import ModelConfig
 from cenote.models.bert_classifiers import RobertaClassificationHead, num_labels_of
-from cenote.models.checkpoint_map import Slot, linear_slots
+from cenote.models.checkpoint_map import linear_slots
 from cenote.models.interfaces import ScorerDefaults
 from cenote.models.layers.attention import EncoderMaskFn
 from cenote.models.layers.relative_position import RelativePositionBias
@@ -69,12 +69,11 @@ class MPNetForSequenceClassification(ScorerDefaults, MPNetModel):
         super().__init__(model_config)
         self.num_labels = num_labels_of(self.config)
         self.classifier = RobertaClassificationHead(self.hidden_size, self.num_labels)
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {
+        head = {
             **linear_slots("classifier.dense", "classifier.dense"),
             **linear_slots("classifier.out_proj", "classifier.out_proj"),
         }
+        self.checkpoint_map = self.checkpoint_map.extended(head)
 
     def compute_scores(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.classifier(pooled)  # [N, num_labels] fp32

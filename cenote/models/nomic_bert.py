@@ -18,13 +18,19 @@ import torch
 from torch import Tensor, nn
 
 from cenote.config import ModelConfig
+from cenote.models.checkpoint_map import (
+    CheckpointMap,
+    Slot,
+    fused_slots,
+    linear_slots,
+    load_checkpoint,
+)
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention
 from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import TrunkLinear
 from cenote.models.layers.norm import LayerNorm
 from cenote.models.layers.rotary import RotaryEmbedding, apply_rotary
-from cenote.models.weights import load_by_name
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "silu")  # the MLP gate's activation: SiLU
 # nomic config key -> the only value implemented here
@@ -92,7 +98,7 @@ class NomicBertLayer(nn.Module):
         return self.norm2.normalize_(x + self.fc2(self.act(self.fc12(x)) * self.fc11(x)))
 
 
-# transformers' names (after ``layers.N.``) -> nomic's, which ours follow
+# transformers' names (after ``layers.N.``) -> ours, which follow nomic's
 _NATIVE_LAYER_NAMES = {
     "self_attn.o_proj": "out_proj",
     "mlp.up_proj": "fc11",
@@ -101,16 +107,25 @@ _NATIVE_LAYER_NAMES = {
     "post_attention_layernorm": "norm1",
     "post_mlp_layernorm": "norm2",
 }
-_NATIVE_QKV = {"self_attn.q_proj": 0, "self_attn.k_proj": 1, "self_attn.v_proj": 2}
-
-
-def _native_qkv(name: str) -> tuple[str, str | None]:
-    """(layer index, ``self_attn.q_proj``...) for a transformers-named q/k/v weight."""
-    if not name.startswith("layers."):
-        return "", None
-    _, index, rest = name.split(".", 2)
-    module = rest.rsplit(".", 1)[0]
-    return index, module if module in _NATIVE_QKV else None
+_NATIVE_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# our layer modules -> whether they have a bias
+_LAYER_MODULES = {
+    "Wqkv": False,
+    "out_proj": False,
+    "fc11": False,
+    "fc12": False,
+    "fc2": False,
+    "norm1": True,
+    "norm2": True,
+}
+# our layer modules -> nomic's names (after ``encoder.layers.N.``), where they differ
+_NOMIC_LAYER_NAMES = {
+    "Wqkv": "attn.Wqkv",
+    "out_proj": "attn.out_proj",
+    "fc11": "mlp.fc11",
+    "fc12": "mlp.fc12",
+    "fc2": "mlp.fc2",
+}
 
 
 class NomicBertModel(nn.Module):
@@ -140,6 +155,7 @@ class NomicBertModel(nn.Module):
         self.layers = nn.ModuleList(
             NomicBertLayer(hidden, heads, head_dim, inner, eps, i) for i in range(num_layers)
         )
+        self.checkpoint_map = self._checkpoint_map()
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
@@ -155,43 +171,32 @@ class NomicBertModel(nn.Module):
             x = layer(x, cos, sin)
         return x  # [num_tokens, hidden]
 
+    def _checkpoint_map(self) -> CheckpointMap:
+        """nomic's names, or transformers' (separate q/k/v as thirds of ``Wqkv``): a tensor
+        fills its parameter under either."""
+        slots = {
+            "embeddings.word_embeddings.weight": Slot("word_embeddings.weight"),
+            "embeddings.token_type_embeddings.weight": Slot("token_type_embeddings.weight"),
+            **linear_slots("emb_ln", "emb_ln"),
+            **linear_slots("embeddings.LayerNorm", "emb_ln"),
+        }
+        for i in range(len(self.layers)):
+            dst = f"layers.{i}"
+            for ours, bias in _LAYER_MODULES.items():
+                native = f"encoder.layers.{i}.{_NOMIC_LAYER_NAMES.get(ours, ours)}"
+                slots.update(linear_slots(native, f"{dst}.{ours}", bias))
+            for theirs, ours in _NATIVE_LAYER_NAMES.items():
+                slots.update(
+                    linear_slots(f"layers.{i}.{theirs}", f"{dst}.{ours}", _LAYER_MODULES[ours])
+                )
+            qkv = [f"layers.{i}.{name}" for name in _NATIVE_QKV]
+            slots.update(fused_slots(qkv, f"{dst}.Wqkv", bias=False))
+        # the CLS pooler, masked-LM and classifier heads of other tasks' checkpoints
+        unused = (r"pooler\.", r"lm_head\.", r"cls\.", r"classifier\.", r"embeddings\.position_ids")
+        return CheckpointMap(slots, prefixes=self.checkpoint_prefixes, unused=unused)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """nomic's names, or transformers' (separate q/k/v are stacked into ``Wqkv``)."""
-        parts: dict[str, list[torch.Tensor | None]] = {}
-
-        def with_stacked_qkv() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                index, module = _native_qkv(self._strip_prefix(name))
-                if module is None:
-                    yield name, tensor
-                    continue
-                slot = parts.setdefault(index, [None, None, None])
-                slot[_NATIVE_QKV[module]] = tensor
-                stacked = [t for t in slot if t is not None]
-                if len(stacked) == len(slot):
-                    yield f"encoder.layers.{index}.attn.Wqkv.weight", torch.cat(stacked)
-
-        return load_by_name(self, with_stacked_qkv(), self._map_name)
-
-    def _strip_prefix(self, name: str) -> str:
-        for prefix in self.checkpoint_prefixes:
-            if name.startswith(prefix):
-                return name[len(prefix) :]
-        return name
-
-    def _map_name(self, name: str) -> str | None:
-        name = self._strip_prefix(name)
-        if name in ("embeddings.word_embeddings.weight", "embeddings.token_type_embeddings.weight"):
-            return name.split(".", 1)[1]
-        if name.startswith(("emb_ln.", "embeddings.LayerNorm.")):
-            return "emb_ln." + name.rsplit(".", 1)[1]
-        for layers in ("encoder.layers.", "layers."):
-            if name.startswith(layers):
-                index, rest = name[len(layers) :].split(".", 1)
-                module, kind = rest.rsplit(".", 1)
-                module = _NATIVE_LAYER_NAMES.get(module, module).rsplit(".", 1)[-1]
-                return f"layers.{index}.{module}.{kind}"
-        return None  # pooler, masked-LM or classifier heads
+        return load_checkpoint(self, self.checkpoint_map, weights)
 
     def required_parameters(self) -> set[str]:
-        return {name for name, _ in self.named_parameters()}
+        return self.checkpoint_map.required()

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cenote.config import ModelConfig
+from cenote.models.checkpoint_map import linear_slots
 from cenote.models.layers.quant import QuantizedWeight
 from cenote.models.llama import LlamaDecoder
 from cenote.pooling.activation import Activation
@@ -47,6 +48,8 @@ class Qwen2RewardBase(LlamaDecoder):
             nn.ReLU(),
             nn.Linear(self.hidden_size, self.num_labels),
         )
+        head = {**linear_slots("score.0", "score.0"), **linear_slots("score.2", "score.2")}
+        self.checkpoint_map = self.checkpoint_map.extended(head)
 
     def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` -> fp32 rewards ``[N, num_labels]`` (the head runs in fp32)."""

@@ -16,13 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from cenote.config import ModelConfig
+from cenote.models.checkpoint_map import CheckpointMap, Slot, load_checkpoint
 from cenote.models.layers.activation import get_activation
 from cenote.models.layers.attention import Attention, EncoderMaskFn
 from cenote.models.layers.embedding import Embedding
 from cenote.models.layers.linear import TrunkLinear
 from cenote.models.layers.norm import RMSNorm
 from cenote.models.layers.relative_position import RelativePositionBias
-from cenote.models.weights import load_by_name
 
 
 def feed_forward(config: dict[str, Any]) -> tuple[str, bool]:
@@ -104,6 +104,7 @@ class T5EncoderModel(nn.Module):
         )
         self.layers = nn.ModuleList(T5Layer(config, i) for i in range(config["num_layers"]))
         self.final_layer_norm = RMSNorm(self.hidden_size, config.get("layer_norm_epsilon", 1e-6))
+        self.checkpoint_map = self._checkpoint_map()
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
@@ -115,45 +116,33 @@ class T5EncoderModel(nn.Module):
             x = layer(x, mask_fn)
         return self.final_layer_norm(x)  # [num_tokens, d_model]
 
+    def _checkpoint_map(self) -> CheckpointMap:
+        """Checkpoint q/k/v (and gated wi_0/wi_1) fill row blocks of our stacked weights; the
+        relative-position table lives in the first block."""
+        slots = {
+            "shared.weight": Slot("embed_tokens.weight"),
+            "encoder.embed_tokens.weight": Slot("embed_tokens.weight"),  # a copy of shared
+            "encoder.final_layer_norm.weight": Slot("final_layer_norm.weight"),
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": Slot(
+                "relative_attention_bias.weight"
+            ),
+        }
+        _, gated = feed_forward(self.config)
+        other_kind = (
+            ("DenseReluDense.wi",) if gated else ("DenseReluDense.wi_0", "DenseReluDense.wi_1")
+        )
+        for i in range(len(self.layers)):
+            for module, (ours, shard) in _LAYER_NAMES.items():
+                if module.endswith(other_kind):
+                    continue  # the other MLP kind's input projections
+                num_shards = {"qkv": 3, "wi": 2}.get(ours, 1) if shard is not None else 1
+                slot = Slot(f"layers.{i}.{ours}.weight", shard, num_shards)
+                slots[f"encoder.block.{i}.{module}.weight"] = slot
+        # the decoder stack and LM head of a full T5 checkpoint
+        return CheckpointMap(slots, unused=(r"decoder\.", r"lm_head\."))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_by_name(self, self._stack(weights), self._map_name)
-
-    def _stack(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterable[tuple[str, torch.Tensor]]:
-        """Checkpoint q/k/v (and gated wi_0/wi_1) arrive apart; yield them stacked as ours."""
-        parts: dict[str, dict[int, torch.Tensor]] = {}
-        for name, tensor in weights:
-            ours, shard = self._layer_target(name) or (name, None)
-            if shard is None:
-                yield name, tensor
-                continue
-            slot = parts.setdefault(ours, {})
-            slot[shard] = tensor
-            if len(slot) == (3 if ours.endswith("qkv.weight") else 2):
-                yield ours, torch.cat([slot[i] for i in sorted(slot)])
-
-    def _layer_target(self, name: str) -> tuple[str, int | None] | None:
-        if not name.startswith("encoder.block."):
-            return None
-        index, rest = name[len("encoder.block.") :].split(".", 1)
-        module, kind = rest.rsplit(".", 1)
-        if module == "layer.0.SelfAttention.relative_attention_bias":
-            return None
-        ours, shard = _LAYER_NAMES[module]
-        return f"layers.{index}.{ours}.{kind}", shard
-
-    def _map_name(self, name: str) -> str | None:
-        if name.startswith("layers."):
-            return name  # stacked by ``_stack``
-        if name in ("shared.weight", "encoder.embed_tokens.weight"):
-            return "embed_tokens.weight"
-        if name == "encoder.final_layer_norm.weight":
-            return "final_layer_norm.weight"
-        if name.endswith("layer.0.SelfAttention.relative_attention_bias.weight"):
-            return "relative_attention_bias.weight" if name.startswith("encoder.block.0.") else None
-        target = self._layer_target(name)
-        return None if target is None else target[0]  # None: a decoder or LM head
+        return load_checkpoint(self, self.checkpoint_map, weights)
 
     def required_parameters(self) -> set[str]:
-        return {name for name, _ in self.named_parameters()}
+        return self.checkpoint_map.required()

@@ -69,9 +69,8 @@ class WordPositionEncoder(nn.Module):
     """The trunk: ``forward(input_ids, positions) -> hidden_states [num_tokens, hidden]``.
 
     ``layer_config`` is the config in ``BertLayer``'s keys (``hidden_size``,
-    ``num_hidden_layers``, ``layer_norm_eps``...). A task model adds its head's slots
-    (``_head_slots``) and the tensors it ignores (``_unused``); both are read while the trunk is
-    built, so a head sets what they depend on before calling ``super().__init__``."""
+    ``num_hidden_layers``, ``layer_norm_eps``...). A task model builds its head after the
+    trunk and extends ``checkpoint_map`` with the head's slots."""
 
     is_causal = False
     names: ClassVar[TrunkNames]
@@ -93,16 +92,10 @@ class WordPositionEncoder(nn.Module):
         num_layers = layer_config["num_hidden_layers"]
         self.layers = nn.ModuleList(BertLayer(layer_config, i) for i in range(num_layers))
         self.checkpoint_map = CheckpointMap(
-            {**self.names.slots(num_layers), **self._head_slots()},
+            self.names.slots(num_layers),
             prefixes=(self.names.prefix,),
-            unused=(*self.names.unused, *self._unused()),
+            unused=self.names.unused,
         )
-
-    def _head_slots(self) -> dict[str, Slot]:
-        return {}
-
-    def _unused(self) -> tuple[str, ...]:
-        return ()
 
     def _mask_fn(self, dtype: torch.dtype) -> EncoderMaskFn | None:
         """What every layer adds to its attention scores in this step (None: nothing)."""
