@@ -77,7 +77,7 @@ class InProcessClient:
         """``requests`` as one call (the scheduler shares its queues among calls); all or none:
         a request the core refuses (``RequestRejectedError``) leaves none of ``requests``
         behind."""
-        assign_group(requests)
+        assign_group(requests, generation=False)
         added: list[str] = []
         try:
             for request in requests:
@@ -135,7 +135,9 @@ class InProcessClient:
                 # the parts are one call (one share of the scheduler's queues)
                 while made and (made[0].done() or not self.engine.has_unfinished_requests()):
                     part = made.popleft().result()
-                    assign_group(part, group_id=request_ids[0] if request_ids else None)
+                    assign_group(
+                        part, group_id=request_ids[0] if request_ids else None, generation=False
+                    )
                     self.add(part)
 
             try:

@@ -55,15 +55,20 @@ class ParentRequest:
         return self.children[0].pooling_params
 
 
-def assign_group(requests: Sequence[ParentRequest], group_id: str | None = None) -> None:
+def assign_group(
+    requests: Sequence[ParentRequest], group_id: str | None = None, generation: bool = True
+) -> None:
     """Make ``requests`` one call for the scheduler's fair shares (``scheduler/group_shares.py``):
-    each engine request without a group joins ``group_id`` (None: the first request's id)."""
+    each engine request without a group joins ``group_id`` (None: the first request's id).
+    ``generation=False`` leaves completions out (never held): the offline client, whose one
+    caller takes every sequence slot as before shares (a served call keeps half of them, so a
+    newcomer starts at once; running sequences are not taken back)."""
     if not requests:
         return
     group = group_id if group_id is not None else requests[0].request_id
     for request in requests:
         for child in request.children:
-            if child.group_id is None:
+            if child.group_id is None and (generation or child.pooling_params is not None):
                 child.group_id = group
 
 
