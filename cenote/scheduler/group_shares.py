@@ -12,7 +12,8 @@ and the big call still progresses at least every other step. A pooling call alon
 has no share (it queues all of itself, so one offline call runs full steps as before); when
 another call arrives, its queued requests that never started past its share go back to held
 (``reclaim``), so the newcomer waits for at most the step in flight. A generation call keeps
-its half of the sequences even alone: its running sequences cannot be taken back.
+its half of the sequences even alone: its running sequences cannot be taken back (the
+offline client puts no completions in a group: its one caller takes every slot).
 """
 
 from __future__ import annotations
