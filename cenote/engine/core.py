@@ -7,7 +7,7 @@ import ctypes.util
 import logging
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import torch
@@ -102,6 +102,8 @@ class EngineCore:
         self._consecutive_failures = 0
         self._grammars: GrammarCompiler | None = None  # built by the first structured request
         self._compiling: dict[str, Request] = {}  # requests waiting for their grammar, in order
+        # requests waiting for their LoRA adapter's folder to be read, in order
+        self._loading: dict[str, tuple[Request, Future[Any]]] = {}
 
     def _draft_proposer(self, kv_manager: KVCacheManager | None) -> DraftModelProposer | None:
         """``method: draft_model``: the draft model, loaded beside the target; None otherwise
@@ -229,8 +231,9 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request; one with structured outputs waits for its grammar first (compiled
-        on the compiler's thread), outside the scheduler."""
+        """Queue a request; outside the scheduler, one whose LoRA adapter is on disk waits for
+        its folder to be read (on the adapter manager's reader thread) and one with structured
+        outputs for its grammar (compiled on the compiler's thread)."""
         core_request = Request(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -244,22 +247,41 @@ class EngineCore:
             lora_request=request.lora_request,
             pixel_values=request.pixel_values,
         )
-        if request.request_id in self._compiling:  # the scheduler checks its own requests
-            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request_id = request.request_id
+        if request_id in self._compiling or request_id in self._loading:  # not the scheduler's
+            raise ValueError(f"request id {request_id!r} is already in the engine")
         if request.lora_request is not None:
-            self.runner.lora.activate(request.lora_request, self._held_adapters())
+            read = self.runner.lora.prefetch(request.lora_request)
+            if read is not None and not read.done():  # its folder is read off the loop thread
+                if request_id in self.scheduler.requests:
+                    raise ValueError(f"request id {request_id!r} is already in the engine")
+                self._loading[request_id] = (core_request, read)
+                return
+            try:
+                self.runner.lora.activate(request.lora_request, self._held_adapters())
+            finally:  # a finished read nobody else waits for is not kept (nor its error)
+                if read is not None:
+                    self._forget_unwaited_read(request.lora_request.lora_int_id)
+        self._enqueue(core_request)
+
+    def _enqueue(self, request: Request) -> None:
+        """To the scheduler, or to grammar compilation first for structured outputs."""
         params = request.sampling_params
         if params is None or params.structured_outputs is None:
-            self.scheduler.add_request(core_request)
+            self.scheduler.add_request(request)
             return
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        core_request.grammar = self._grammar_compiler().submit(params.structured_outputs)
-        self._compiling[request.request_id] = core_request
+        request.grammar = self._grammar_compiler().submit(params.structured_outputs)
+        self._compiling[request.request_id] = request
 
     def _held_adapters(self) -> set[int]:
         """The LoRA adapters that requests in the engine run under (not to be evicted)."""
-        requests = [*self.scheduler.requests.values(), *self._compiling.values()]
+        requests = [
+            *self.scheduler.requests.values(),
+            *self._compiling.values(),
+            *(request for request, _ in self._loading.values()),
+        ]
         return {r.lora_request.lora_int_id for r in requests if r.lora_request is not None}
 
     def _grammar_compiler(self) -> GrammarCompiler:
@@ -290,27 +312,62 @@ class EngineCore:
             self.scheduler.add_request(request)
         return refused
 
+    def _admit_waiting(self) -> list[EngineCoreOutput]:
+        """Adapters read first: their requests may go on to grammar compilation."""
+        refused = self._admit_loaded() if self._loading else []
+        return refused + (self._admit_compiled() if self._compiling else [])
+
+    def _admit_loaded(self) -> list[EngineCoreOutput]:
+        """Place the adapters whose folders were read (between steps, so no step sees a
+        half-written adapter) and pass their requests on; refuse those whose read or placement
+        failed, with the error ``activate`` gives."""
+        refused = []
+        for request_id, (request, read) in list(self._loading.items()):
+            if not read.done():
+                continue
+            del self._loading[request_id]
+            assert request.lora_request is not None  # only adapter requests wait here
+            try:
+                self.runner.lora.activate(request.lora_request, self._held_adapters())
+                self._enqueue(request)
+            except Exception as e:
+                refused.append(refused_output(request_id, e))
+            self._forget_unwaited_read(request.lora_request.lora_int_id)
+        return refused
+
+    def _forget_unwaited_read(self, lora_int_id: int) -> None:
+        waiting = (r.lora_request for r, _ in self._loading.values())
+        if all(lora is None or lora.lora_int_id != lora_int_id for lora in waiting):
+            self.runner.lora.forget_read(lora_int_id)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            parked = self._loading.pop(request_id, None)
+            if parked is not None and parked[0].lora_request is not None:
+                self._forget_unwaited_read(parked[0].lora_request.lora_int_id)
             request = self._compiling.pop(request_id, None)
             if request is not None and request.grammar is not None:
                 request.grammar.future.cancel()
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
+        return (
+            self.scheduler.has_unfinished_requests() or bool(self._compiling) or bool(self._loading)
+        )
 
     def step(self) -> EngineCoreOutputs:
         """schedule -> execute -> update. A step that raises fails only its own requests (each
         gets an error output naming the cause, its blocks are freed) and the engine goes on;
         ``_MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a row mean the core itself is broken,
         and the exception propagates."""
-        # 0) requests whose grammar compiled join the queue (none running: wait a moment)
-        refused = self._admit_compiled() if self._compiling else []
-        if self._compiling and not self.scheduler.has_unfinished_requests():
-            pending = [r.grammar.future for r in self._compiling.values() if r.grammar]
+        # 0) requests whose adapter was read or grammar compiled join the queue (none running:
+        # wait a moment)
+        refused = self._admit_waiting()
+        if (self._compiling or self._loading) and not self.scheduler.has_unfinished_requests():
+            pending: list[Future[Any]] = [read for _, read in self._loading.values()]
+            pending += [r.grammar.future for r in self._compiling.values() if r.grammar]
             wait(pending, timeout=_GRAMMAR_WAIT_SECONDS, return_when=FIRST_COMPLETED)
-            refused += self._admit_compiled()
+            refused += self._admit_waiting()
         # 1) schedule
         started = time.monotonic()
         scheduler_output = self.scheduler.schedule()
@@ -351,7 +408,7 @@ class EngineCore:
         num_drafted, num_accepted = self.scheduler.take_spec_decode_counts()
         return SchedulerStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting + len(self._compiling),
+            num_waiting=self.scheduler.num_waiting + len(self._compiling) + len(self._loading),
             num_scheduled_tokens=num_scheduled_tokens,
             kv_cache_usage=manager.usage if manager is not None else 0.0,
             prefix_cache_queries=manager.queries if manager is not None else 0,

@@ -8,13 +8,17 @@ classification head (``modules_to_save``) becomes that adapter's score function
 recently used adapter no request in the engine holds, and is refused when every resident
 adapter is held. Up to ``max_cpu_loras`` adapters read from disk are kept in host memory
 (least recently used dropped first), so an adapter evicted from the resident set comes back
-without reading its folder again (vLLM's ``--max-cpu-loras``).
+without reading its folder again (vLLM's ``--max-cpu-loras``). ``prefetch`` reads a folder on
+the manager's reader thread, so the engine core parks a request whose adapter is on disk and
+keeps stepping the others; ``activate`` then places it from the finished read (between steps,
+on the loop thread: no step sees a half-written adapter).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,6 +60,9 @@ class LoRAManager:
         # adapters as read from their folders, least recently used first
         self._host: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
         self.num_disk_reads = 0  # adapter folders read (the host cache's misses)
+        # reads under way or finished on the reader thread, not yet placed by ``activate``
+        self._reading: dict[int, tuple[LoRARequest, Future[LoRAAdapter]]] = {}
+        self._reader: ThreadPoolExecutor | None = None  # started by the first prefetch
 
     @property
     def host_cached(self) -> list[LoRARequest]:
@@ -100,6 +107,41 @@ class LoRAManager:
             self._heads[request.lora_int_id] = head_score(self.model, heads)
         self._resident[request.lora_int_id] = (request, hosts)
 
+    def prefetch(self, request: LoRARequest) -> Future[LoRAAdapter] | None:
+        """Start reading ``request``'s folder on the reader thread; None when ``activate``
+        would read nothing from disk (resident, in host memory, a task adapter, or refused
+        before any read). Concurrent prefetches of one adapter share one read. ValueError when
+        another adapter's read under the same ``lora_int_id`` is under way."""
+        if is_task_adapter(request.lora_int_id) or not isinstance(self.model, LoRATarget):
+            return None
+        if request.lora_int_id in self._resident:  # activate names an id clash
+            return None
+        cached = self._host.get(request.lora_int_id)
+        if cached is not None and cached[0] == request:
+            return None
+        reading = self._reading.get(request.lora_int_id)
+        if reading is not None:
+            if reading[0] != request:
+                raise ValueError(
+                    f"lora_int_id {request.lora_int_id} is adapter {reading[0].lora_name!r} "
+                    f"({reading[0].lora_path}); {request.lora_name!r} ({request.lora_path}) "
+                    "needs an id of its own"
+                )
+            return reading[1]
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="cenote-lora-read")
+        self.num_disk_reads += 1
+        future = self._reader.submit(read_adapter, request.lora_path, self.max_lora_rank)
+        self._reading[request.lora_int_id] = (request, future)
+        return future
+
+    def forget_read(self, lora_int_id: int) -> None:
+        """Drop a prefetched read once no parked request waits for it (placed, failed or
+        aborted): a later request reads the folder afresh."""
+        entry = self._reading.pop(lora_int_id, None)
+        if entry is not None:
+            entry[1].cancel()  # a read not started yet never starts
+
     def _check_task_adapter(self, request: LoRARequest) -> None:
         """A checkpoint's own task adapter (``lora/tasks.py``): placed by the model at load,
         always resident; ValueError when this model has no such task."""
@@ -116,10 +158,14 @@ class LoRAManager:
         return None if lora_int_id is None else self._heads.get(lora_int_id)
 
     def _read(self, request: LoRARequest) -> LoRAAdapter:
-        """The adapter from host memory, else from its folder."""
+        """The adapter from host memory, else from a finished prefetch (raising its read's
+        error), else from its folder."""
         entry = self._host.get(request.lora_int_id)
         if entry is not None and entry[0] == request:
             return entry[1]
+        reading = self._reading.get(request.lora_int_id)
+        if reading is not None and reading[0] == request and reading[1].done():
+            return reading[1].result()
         self.num_disk_reads += 1
         return read_adapter(request.lora_path, self.max_lora_rank)
 
