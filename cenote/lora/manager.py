@@ -82,11 +82,7 @@ class LoRAManager:
         entry = self._resident.get(request.lora_int_id)
         if entry is not None:
             if entry[0] != request:
-                raise ValueError(
-                    f"lora_int_id {request.lora_int_id} is adapter {entry[0].lora_name!r} "
-                    f"({entry[0].lora_path}); {request.lora_name!r} ({request.lora_path}) "
-                    "needs an id of its own"
-                )
+                raise _id_clash(entry[0], request)
             self._resident.move_to_end(request.lora_int_id)
             if request.lora_int_id in self._host:
                 self._host.move_to_end(request.lora_int_id)
@@ -122,11 +118,7 @@ class LoRAManager:
         reading = self._reading.get(request.lora_int_id)
         if reading is not None:
             if reading[0] != request:
-                raise ValueError(
-                    f"lora_int_id {request.lora_int_id} is adapter {reading[0].lora_name!r} "
-                    f"({reading[0].lora_path}); {request.lora_name!r} ({request.lora_path}) "
-                    "needs an id of its own"
-                )
+                raise _id_clash(reading[0], request)
             return reading[1]
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="cenote-lora-read")
@@ -289,3 +281,12 @@ def _in_features(module: LoRAHost) -> int:
     in_features = module.in_features
     assert isinstance(in_features, int)
     return in_features
+
+
+def _id_clash(holder: LoRARequest, request: LoRARequest) -> ValueError:
+    """The error for an adapter asked under an id another adapter already holds."""
+    return ValueError(
+        f"lora_int_id {request.lora_int_id} is adapter {holder.lora_name!r} "
+        f"({holder.lora_path}); {request.lora_name!r} ({request.lora_path}) "
+        "needs an id of its own"
+    )

@@ -110,7 +110,7 @@ class GroupShares:
                 continue
             group = self._groups[key]
             cost = self._cost(request)
-            share = self.pooling_share if request.is_pooling else self.generation_share
+            share = self._share(request)
             if group.num_in_flight <= share or group.num_in_flight - cost <= 0:
                 continue
             group.num_in_flight -= cost
@@ -164,8 +164,11 @@ class GroupShares:
     def _fits(self, group: _Group, request: Request) -> bool:
         if request.is_pooling and len(self._groups) == 1:
             return True  # alone in the engine: no one to share with (``reclaim`` when one comes)
-        share = self.pooling_share if request.is_pooling else self.generation_share
-        return group.num_in_flight + self._cost(request) <= share
+        return group.num_in_flight + self._cost(request) <= self._share(request)
+
+    def _share(self, request: Request) -> int:
+        """What one call may keep queued of ``request``'s kind (see ``_cost``)."""
+        return self.pooling_share if request.is_pooling else self.generation_share
 
     @staticmethod
     def _cost(request: Request) -> int:
